@@ -1,0 +1,55 @@
+"""``trainguard`` command line: one sub-command per capability.
+
+Each capability contributes its sub-commands through a ``_cli.register(subparsers)`` function in
+its own package, imported lazily so ``trainguard --help`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# sub-command name -> module holding ``register(subparsers)``; registering imports only argparse code.
+_COMMANDS: dict[str, str] = {
+    "demo": "trainguard._demo.cli",
+    "launch": "trainguard.fault_tolerance._cli",
+    "analyze": "trainguard.attribution._cli",
+    "attrsvc": "trainguard.attribution._cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard",
+        description="Fault tolerance for PyTorch distributed training and inference.",
+    )
+    from trainguard import __version__
+
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    seen: set[str] = set()
+    for module_name in dict.fromkeys(_COMMANDS.values()):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # capability not built yet
+            raise
+        for name in module.register(sub):
+            seen.add(name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

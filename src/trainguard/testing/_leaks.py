@@ -1,0 +1,76 @@
+"""Leak checks for tests: child processes and shared-memory segments left behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+
+__all__ = ["LeakChecker", "live_children", "trainguard_shm_segments"]
+
+# Helpers that multiprocessing keeps for the interpreter's lifetime are not leaks.
+_IGNORED_CMDLINE = ("resource_tracker", "forkserver", "semaphore_tracker")
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "tg_"  # every trainguard shared-memory segment name starts with this
+
+
+def live_children() -> list[psutil.Process]:
+    """Live (non-zombie) descendants of this process, minus multiprocessing's helpers."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if any(tag in cmd for tag in _IGNORED_CMDLINE):
+            continue
+        out.append(child)
+    return out
+
+
+def trainguard_shm_segments() -> set[str]:
+    """Names of trainguard shared-memory segments currently in /dev/shm."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+class LeakChecker:
+    """Snapshot before a test, then :meth:`check` after it; returns a list of problems.
+
+    Children are given ``grace_s`` to exit before they count as leaked; leaked ones are killed so
+    one failing test does not poison the next.
+    """
+
+    def __init__(self, grace_s: float = 5.0) -> None:
+        self.grace_s = grace_s
+        self.shm_before = trainguard_shm_segments()
+        self.children_before = {p.pid for p in live_children()}
+
+    def check(self) -> list[str]:
+        problems: list[str] = []
+        end = time.monotonic() + self.grace_s
+        leaked = []
+        while True:
+            leaked = [p for p in live_children() if p.pid not in self.children_before]
+            if not leaked or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        for proc in leaked:
+            try:
+                problems.append(f"leaked child process pid={proc.pid}: {' '.join(proc.cmdline())[:200]}")
+                proc.kill()
+            except psutil.Error:
+                pass
+        new_shm = trainguard_shm_segments() - self.shm_before
+        for name in sorted(new_shm):
+            problems.append(f"leaked shared-memory segment /dev/shm/{name}")
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+        return problems
