@@ -35,12 +35,12 @@ class FrozenState:
     """Read-only snapshot of :class:`State` handed to hooks; assignment raises
     ``dataclasses.FrozenInstanceError``."""
 
-    rank: int
+    rank: Optional[int]
     world_size: int
     active_rank: Optional[int] = None
     active_world_size: Optional[int] = None
-    initial_rank: int = 0
-    initial_world_size: int = 1
+    initial_rank: Optional[int] = None
+    initial_world_size: Optional[int] = None
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
     fn_exception: Optional[BaseException] = None
@@ -55,7 +55,8 @@ class State:
     """Mutable restart state of one rank; only the restart loop mutates it.
 
     Fields:
-        rank, world_size: index among surviving ranks (active + reserve) and their count.
+        rank, world_size: index among surviving ranks (active + reserve) and their count;
+            ``rank`` is None for a terminated rank.
         active_rank, active_world_size: exported as ``RANK``/``WORLD_SIZE`` to the wrapped
             function; ``active_rank`` is None for an inactive (reserve) rank.
         initial_rank, initial_world_size: values from the environment at creation; never change.
@@ -65,12 +66,12 @@ class State:
             elsewhere); cleared by :meth:`advance`.
     """
 
-    rank: int
+    rank: Optional[int]
     world_size: int
     active_rank: Optional[int] = None
     active_world_size: Optional[int] = None
-    initial_rank: int = 0
-    initial_world_size: int = 1
+    initial_rank: Optional[int] = None
+    initial_world_size: Optional[int] = None
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
     fn_exception: Optional[BaseException] = None
