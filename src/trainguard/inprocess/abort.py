@@ -1,17 +1,27 @@
-"""``Abort`` hook base class.
+"""Abort hooks: run in the monitor thread of every rank when a restart begins.
 
-Runs in the monitor thread of every rank when a restart begins, to unblock the main thread (tear down process groups, kill helper processes). Errors are logged, never raised.
+An abort must unblock the main thread (tear down process groups, kill helper processes). Errors
+are logged, never raised.
 
-Follows: NVRx ``inprocess.abort`` (a hook takes a FrozenState and returns it).
+Follows: NVRx ``inprocess.abort`` (a hook takes a FrozenState and returns it); difference:
+:class:`AbortTorchDistributed` also breaks gloo collectives on CPU (NVRx handles NCCL only).
 """
 
 from __future__ import annotations
 
 import abc
+import threading
 
+import torch
+import torch.distributed as dist
+
+from trainguard._core.logging import get_logger
+from trainguard.inprocess import _transport
 from trainguard.inprocess.state import FrozenState
 
-__all__ = ["Abort"]
+__all__ = ["Abort", "AbortTorchDistributed"]
+
+_log = get_logger("trainguard.inprocess")
 
 
 class Abort(abc.ABC):
@@ -23,3 +33,54 @@ class Abort(abc.ABC):
     @abc.abstractmethod
     def __call__(self, state: FrozenState) -> FrozenState:
         raise NotImplementedError
+
+
+class AbortTorchDistributed(Abort):
+    """Unblock collectives and destroy every ``torch.distributed`` process group.
+
+    * CPU (gloo): ``shutdown(SHUT_RDWR)`` on the process groups' connected TCP sockets (tracked by
+      ``CallWrapper.init_process_group``/``CallWrapper.tracking_process_group``), which makes a
+      blocked collective raise within milliseconds; the listener and the store are left alone.
+    * CUDA (NCCL): abort each group's NCCL backend (communicators), in parallel threads.
+    * Then ``destroy_process_group()``.
+
+    Runs in the monitor thread; blocks at most ``timeout_s`` seconds per NCCL abort.
+    Follows: NVRx ``AbortTorchDistributed``; difference: the gloo transport break.
+    """
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        shut = _transport.shutdown_tracked()
+        if dist.is_available() and dist.is_initialized():
+            self._abort_nccl()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a half-broken group may refuse; it is gone anyway
+                _log.debug("destroy_process_group failed", exc_info=True)
+        _transport.clear()
+        _log.debug("abort: %d sockets shut, process groups destroyed", shut)
+        return state
+
+    def _abort_nccl(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        try:
+            groups = list(dist.distributed_c10d._world.pg_map.keys())
+        except AttributeError:
+            groups = [dist.group.WORLD]
+        threads = []
+        for pg in groups:
+            try:
+                backend = pg._get_backend(torch.device("cuda"))
+            except Exception:  # noqa: BLE001 - group without a CUDA backend
+                continue
+            abort = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
+            if abort is None:
+                continue
+            t = threading.Thread(target=abort, name="trainguard-nccl-abort", daemon=True)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(self.timeout_s)

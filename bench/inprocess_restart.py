@@ -1,0 +1,385 @@
+"""Restart latency of trainguard's in-process restart vs. a torchrun full restart and NVRx.
+
+Usage::
+
+    python bench/inprocess_restart.py --ranks 4 [--faults 5] [--nvrx-python PY] [--skip-torchrun]
+
+The workload (``bench/_inprocess_workload.py``) is a small DDP model over gloo on CPU that loads
+its checkpoint at every (re)start. Figures, medians over the injected faults, in seconds:
+
+* ours, exception on one rank: until every rank re-entered the wrapped function
+  (``restart_s_median``) and until every rank completed its first step (``first_step_s_median``);
+* ours, a hang in a C call (``time.sleep``): hang start -> interrupted, and -> every rank back,
+  both minus ``soft_timeout`` (``hang_detect_over_soft_s_median``, ``hang_all_back_over_soft_s_median``);
+* ours, SIGKILL of one rank (the world shrinks): until every survivor re-entered (``kill_reenter_s_median``);
+* baseline torchrun ``--max-restarts``: raise -> every rank's first step after the full restart
+  (``torchrun_restart_s_median``); ``ratio_vs_torchrun`` compares it with ``first_step_s_median``;
+* baseline NVRx ``inprocess.Wrapper`` (its defaults) under ``--nvrx-python``: raise -> every rank
+  re-entered (``nvrx_restart_s_median``); ``ratio_vs_nvrx`` compares it with ``restart_s_median``.
+
+Ours runs with a large gloo timeout (``--gloo-timeout``, 60 s) to show it does not wait for it.
+Prints rich tables, then exactly one JSON line. Every run is bounded in time and every process
+(including daemons that detach from a rank) is stopped and reaped on exit, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from _bench_procs import RankGroup, become_subreaper, exit_on_signals, kill_descendants
+from _inprocess_metrics import FaultFigures, fault_figures, load_events, median
+from rich.console import Console
+from rich.table import Table
+
+from trainguard._core.net import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKLOAD = os.path.join(HERE, "_inprocess_workload.py")
+console = Console(width=110)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4, help="world size (>= 2)")
+    p.add_argument("--faults", type=int, default=5, help="exceptions injected (median over them)")
+    p.add_argument("--hang-faults", type=int, default=3, help="hangs injected (0 = skip)")
+    p.add_argument("--kill-faults", type=int, default=2, help="SIGKILLs (each shrinks the world)")
+    p.add_argument("--skip-hang", action="store_true", help="same as --hang-faults 0")
+    p.add_argument("--skip-kill", action="store_true", help="same as --kill-faults 0")
+    p.add_argument("--skip-torchrun", action="store_true")
+    p.add_argument("--skip-ours", action="store_true", help="baselines only (for debugging)")
+    p.add_argument("--nvrx-python", help="interpreter with nvidia-resiliency-ext installed")
+    p.add_argument("--nvrx-faults", type=int, default=None, help="default: --faults")
+    p.add_argument("--nvrx-gloo-timeouts", default="10", help="comma list of seconds, e.g. 10,3")
+    p.add_argument("--gloo-timeout", type=float, default=60.0, help="seconds, ours and torchrun")
+    p.add_argument("--soft-timeout", type=float, default=2.0, help="seconds")
+    p.add_argument("--hard-timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--last-call-wait", type=float, default=None, help="seconds; default: ours")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events)")
+    args = p.parse_args(argv)
+    if args.ranks < 2:
+        p.error(f"--ranks must be >= 2 (one rank faults, the others must notice), got {args.ranks}")
+    if args.faults < 1:
+        p.error(f"--faults must be >= 1, got {args.faults}")
+    args.hang_faults = 0 if args.skip_hang else max(0, args.hang_faults)
+    args.kill_faults = 0 if args.skip_kill else min(max(0, args.kill_faults), args.ranks - 1)
+    return args
+
+
+def _rank_env(rank: int, world: int, master_port: int, store_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "GROUP_RANK")}
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        TRAINGUARD_STORE_PORT=str(store_port),
+        OMP_NUM_THREADS="1",
+        TORCH_CPP_LOG_LEVEL="ERROR",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _plan(args: argparse.Namespace, n_exc: int, hangs: int, kills: int) -> list[dict[str, Any]]:
+    """Exceptions and hangs rotate over ranks 1..W-1; kills take the highest ranks first."""
+    others = list(range(1, args.ranks))
+    plan = [{"kind": "exc", "rank": others[i % len(others)]} for i in range(n_exc)]
+    plan += [{"kind": "hang", "rank": others[(i + 1) % len(others)]} for i in range(hangs)]
+    plan += [{"kind": "kill", "rank": args.ranks - 1 - i} for i in range(kills)]
+    return plan
+
+
+def _report_failure(group: RankGroup, tags: list[str], codes: list, timed_out: bool) -> None:
+    console.print(f"[red]{group.name}: exit codes {codes}{' (timed out)' if timed_out else ''}")
+    for tag in tags:
+        tail = group.log_tail(tag)
+        if tail:
+            console.print(f"[dim]--- {group.name}_{tag}.log (tail) ---\n{tail}", markup=False)
+
+
+def run_wrapped(
+    args: argparse.Namespace,
+    work: str,
+    name: str,
+    mode: str,
+    python: str,
+    plan: list[dict[str, Any]],
+    extra: list[str],
+) -> list[FaultFigures]:
+    """Run the workload as ``args.ranks`` plain processes under an in-process wrapper."""
+    out = os.path.join(work, name)
+    os.makedirs(out, exist_ok=True)
+    master, store = free_port(), free_port()
+    cmd = [
+        python,
+        WORKLOAD,
+        "--mode",
+        mode,
+        "--out",
+        out,
+        "--plan",
+        json.dumps(plan),
+        "--gloo-timeout",
+        str(args.gloo_timeout),
+        "--store-port",
+        str(store),
+        *extra,
+    ]
+    # Generous: a mechanism that waits for the gloo timeout still finishes and shows it.
+    slack = 15.0 + args.gloo_timeout
+    per_fault = {"exc": slack, "hang": args.hard_timeout + slack, "kill": slack}
+    budget = 60.0 + 5.0 * args.ranks + sum(per_fault[f["kind"]] for f in plan)
+    with RankGroup(work, name) as group:
+        for rank in range(args.ranks):
+            group.start(cmd, _rank_env(rank, args.ranks, master, store), f"rank{rank}")
+        codes, timed_out = group.wait(budget)
+        killed = {f["rank"] for f in plan if f["kind"] == "kill"}
+        bad = [r for r, c in enumerate(codes) if r not in killed and c != 0]
+        if timed_out or bad:
+            _report_failure(
+                group, [f"rank{r}" for r in (bad or range(args.ranks))], codes, timed_out
+            )
+    return fault_figures(load_events(out))
+
+
+def run_torchrun(args: argparse.Namespace, work: str) -> list[FaultFigures]:
+    """The same workload under ``torchrun --max-restarts``: every fault restarts the whole job."""
+    out = os.path.join(work, "torchrun")
+    os.makedirs(out, exist_ok=True)
+    plan = _plan(args, args.faults, 0, 0)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        f"--max-restarts={args.faults}",
+        "--monitor-interval=0.1",
+        WORKLOAD,
+        "--mode",
+        "torchrun",
+        "--out",
+        out,
+        "--plan",
+        json.dumps(plan),
+        "--gloo-timeout",
+        str(args.gloo_timeout),
+    ]
+    env = _rank_env(0, args.ranks, 0, 0)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINGUARD_STORE_PORT"):
+        env.pop(key)  # torchrun sets them per worker
+    with RankGroup(work, "torchrun") as group:
+        group.start(cmd, env, "agent")
+        codes, timed_out = group.wait(60.0 + 10.0 * args.ranks + 25.0 * args.faults)
+        if timed_out or codes != [0]:
+            _report_failure(group, ["agent"], codes, timed_out)
+    return fault_figures(load_events(out))
+
+
+def nvrx_available(python: str) -> bool:
+    try:
+        res = subprocess.run(
+            [python, "-c", "import nvidia_resiliency_ext.inprocess"],
+            capture_output=True,
+            timeout=120,
+            check=False,
+            env=_rank_env(0, 1, 0, 0),
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        console.print(f"[yellow]NVRx not usable with {python}: {exc}")
+        return False
+    if res.returncode != 0:
+        console.print(f"[yellow]NVRx not importable with {python}:\n{res.stderr.decode()[-500:]}")
+    return res.returncode == 0
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def print_faults(name: str, figs: list[FaultFigures]) -> None:
+    table = Table(title=f"{name}: per fault (seconds from the fault)")
+    for col in (
+        "#",
+        "kind",
+        "rank",
+        "world",
+        "hang interrupted",
+        "all re-entered",
+        "first step",
+        "wrapper: detected",
+        "wrapper: all interrupted",
+        "wrapper: all re-entered",
+    ):
+        table.add_column(col, justify="right")
+    for i, f in enumerate(figs):
+        table.add_row(
+            str(i + 1),
+            f.kind,
+            str(f.rank),
+            str(f.world),
+            _fmt(f.detect_s),
+            _fmt(f.reentered_s),
+            _fmt(f.first_step_s),
+            _fmt(f.wrapper_detect_s),
+            _fmt(f.wrapper_interrupt_s),
+            _fmt(f.wrapper_restart_s),
+        )
+    console.print(table)
+
+
+def ours_summary(args: argparse.Namespace, figs: list[FaultFigures]) -> dict[str, Any]:
+    kind = {k: [f for f in figs if f.kind == k] for k in ("exc", "hang", "kill")}
+    soft = args.soft_timeout
+    return {
+        "restart_s_median": median([f.reentered_s for f in kind["exc"]]),
+        "first_step_s_median": median([f.first_step_s for f in kind["exc"]]),
+        "hang_detect_over_soft_s_median": median([f.detect_s for f in kind["hang"]], soft)
+        if kind["hang"]
+        else None,
+        "hang_all_back_over_soft_s_median": median([f.reentered_s for f in kind["hang"]], soft)
+        if kind["hang"]
+        else None,
+        "kill_reenter_s_median": median([f.reentered_s for f in kind["kill"]])
+        if kind["kill"]
+        else None,
+        "faults_injected": {k: len(v) for k, v in kind.items()},
+        "faults_unrecovered": sum(not f.recovered for f in figs),
+    }
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 2) if num is not None and den else None
+
+
+def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    restart_limit = 0.5 if result["ranks"] <= 2 else 1.0
+    checks = [
+        ("restart_s_median", f"<= {restart_limit}", lambda v: v <= restart_limit),
+        ("ratio_vs_torchrun", ">= 10 (first-step basis)", lambda v: v >= 10),
+        ("ratio_vs_nvrx", ">= 10 (all re-entered basis)", lambda v: v >= 10),
+        ("hang_detect_over_soft_s_median", "<= 0.5", lambda v: v <= 0.5),
+        ("hang_all_back_over_soft_s_median", "<= 1.5", lambda v: v <= 1.5),
+        ("kill_reenter_s_median", "<= 1.0", lambda v: v <= 1.0),
+    ]
+    return [(k, t, None if result[k] is None else bool(ok(result[k]))) for k, t, ok in checks]
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    table = Table(title=f"in-process restart, {result['ranks']} ranks: medians (seconds)")
+    for col in ("figure", "value", "target", "met"):
+        table.add_column(col)
+    keys = [
+        "restart_s_median",
+        "first_step_s_median",
+        "torchrun_restart_s_median",
+        "ratio_vs_torchrun",
+        "nvrx_restart_s_median",
+        "ratio_vs_nvrx",
+        "hang_detect_over_soft_s_median",
+        "hang_all_back_over_soft_s_median",
+        "kill_reenter_s_median",
+    ]
+    goals = {k: (t, ok) for k, t, ok in targets(result)}
+    for k in keys:
+        target, ok = goals.get(k, ("", None))
+        met = "" if k not in goals else {True: "yes", False: "NO", None: "not run"}[ok]
+        table.add_row(k, _fmt(result[k]), target, met)
+    console.print(table)
+
+
+def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    extra = ["--soft-timeout", str(args.soft_timeout), "--hard-timeout", str(args.hard_timeout)]
+    if args.last_call_wait is not None:
+        extra += ["--last-call-wait", str(args.last_call_wait)]
+    plan = _plan(args, args.faults, args.hang_faults, args.kill_faults)
+    ours: list[FaultFigures] = []
+    if not args.skip_ours:
+        console.print(f"[bold]ours[/]: {args.ranks} ranks, plan {[f['kind'] for f in plan]}")
+        ours = run_wrapped(args, work, "ours", "ours", sys.executable, plan, extra)
+        print_faults("trainguard", ours)
+    result: dict[str, Any] = {
+        "ranks": args.ranks,
+        "faults": args.faults,
+        **ours_summary(args, ours),
+    }
+    result.update(
+        torchrun_restart_s_median=None,
+        ratio_vs_torchrun=None,
+        nvrx_restart_s_median=None,
+        ratio_vs_nvrx=None,
+    )
+    if not args.skip_torchrun:
+        console.print("[bold]torchrun --max-restarts[/] (full restart)")
+        tr = run_torchrun(args, work)
+        print_faults("torchrun", tr)
+        result["torchrun_restart_s_median"] = median([f.first_step_s for f in tr])
+        result["ratio_vs_torchrun"] = _ratio(
+            result["torchrun_restart_s_median"], result["first_step_s_median"]
+        )
+    if args.nvrx_python and nvrx_available(args.nvrx_python):
+        result.update(run_nvrx(args, work, result["restart_s_median"]))
+    result.update(gloo_timeout_s=args.gloo_timeout, soft_timeout_s=args.soft_timeout)
+    return result
+
+
+def run_nvrx(args: argparse.Namespace, work: str, ours_restart: float | None) -> dict[str, Any]:
+    """NVRx's Wrapper with its defaults; one run per gloo timeout in ``--nvrx-gloo-timeouts``."""
+    n = args.nvrx_faults or args.faults
+    by_timeout: dict[str, float | None] = {}
+    for gloo in [float(s) for s in args.nvrx_gloo_timeouts.split(",") if s.strip()]:
+        console.print(f"[bold]NVRx inprocess.Wrapper[/] (defaults), gloo timeout {gloo:g} s")
+        sub = argparse.Namespace(**{**vars(args), "gloo_timeout": gloo})
+        figs = run_wrapped(
+            sub,
+            work,
+            f"nvrx_gloo{gloo:g}",
+            "nvrx",
+            args.nvrx_python,
+            _plan(args, n, 0, 0),
+            ["--gloo-timeout", str(gloo)],
+        )
+        print_faults(f"NVRx (gloo timeout {gloo:g} s)", figs)
+        by_timeout[f"{gloo:g}"] = median([f.reentered_s for f in figs])
+    first = next(iter(by_timeout.values()), None)
+    return {
+        "nvrx_restart_s_median": first,
+        "ratio_vs_nvrx": _ratio(first, ours_restart),
+        "nvrx_gloo_timeout_s": float(next(iter(by_timeout), "nan")),
+        "nvrx_faults": n,
+        "nvrx_restart_s_median_by_gloo_timeout": by_timeout,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    become_subreaper()
+    work = tempfile.mkdtemp(prefix="tg_bench_restart_")
+    try:
+        with exit_on_signals():
+            result = run_all(args, work)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted: all benchmark processes stopped")
+        return 130
+    finally:
+        kill_descendants()
+        if args.keep:
+            console.print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result["targets_met"] = {k: ok for k, _, ok in targets(result)}
+    print_summary(result)
+    print(json.dumps(result), flush=True)
+    return 0 if result["faults_unrecovered"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

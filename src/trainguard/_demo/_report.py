@@ -1,0 +1,215 @@
+"""Turn the ranks' event logs into the demo's summary (``summary.json``) and its rich table.
+
+Definitions (all times are wall-clock seconds from the event logs):
+
+* A fault's restart is the restart *into* iteration ``i + 1`` where ``i`` is the iteration the
+  fault fired in; the ranks' restart records for it are merged (earliest detection, latest
+  re-entry).
+* ``detection_s``: injection -> the first rank's wrapper noticed the fault.
+* ``restart_s``: detection -> the last surviving rank re-entered the training function.
+* ``recovery_s``: injection -> the first training step completed after the restart (includes
+  process-group set-up and the checkpoint reload).
+* ``steps_lost``: steps completed in the faulty iteration past the checkpoint it resumed from.
+* ``recovered``: the restart happened and training made progress after it.
+* ``goodput``: useful step time (each step counted once, in the iteration that kept it) divided
+  by the demo's whole wall time (process start-up included); ``train_goodput`` divides by the
+  span from the first step's start to the last step's end instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from trainguard._demo._schedule import FaultSpec
+
+__all__ = ["ACCURACY_TARGET", "build_summary", "render_table"]
+
+ACCURACY_TARGET = 0.95
+
+
+def _of(events: dict[int, list[dict]], ev: str) -> list[dict]:
+    return sorted((e for evs in events.values() for e in evs if e.get("ev") == ev), key=lambda e: e["t"])
+
+
+def restart_groups(events: dict[int, list[dict]]) -> dict[int, dict]:
+    """Merge the ranks' ``restart`` events into one entry per restart, keyed by the iteration it
+    restarted into (``into_iteration``)."""
+    by_target: dict[int, list[dict]] = defaultdict(list)
+    for record in _of(events, "restart"):
+        if record.get("into_iteration") is not None:
+            by_target[int(record["into_iteration"])].append(record)
+    groups = {}
+    for target, records in sorted(by_target.items()):
+        detected = [r for r in records if r.get("detection_time") is not None]
+        first = min(detected, key=lambda r: r["detection_time"]) if detected else records[0]
+        reentries = [r["reentry_time"] for r in records if r.get("reentry_time") is not None]
+        groups[target] = {
+            "into_iteration": target,
+            "cause": first.get("cause"),
+            "fault_ranks": first.get("fault_ranks"),
+            "detection_time": first.get("detection_time"),
+            "reentry_time": max(reentries) if reentries else None,
+            "reported_by": sorted({r["rank"] for r in records}),
+        }
+    return groups
+
+
+def _detected_by(group: dict) -> str:
+    cause = str(group.get("cause") or "unknown").replace("_", " ")
+    ranks = group.get("fault_ranks")
+    if ranks:
+        ranks = ranks if isinstance(ranks, (list, tuple, set)) else [ranks]
+        return f"{cause} (rank {', '.join(map(str, sorted(ranks)))})"
+    return cause
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _fault_row(spec: FaultSpec, fired: dict | None, events: dict, groups: dict) -> dict:
+    row: dict[str, Any] = {
+        "kind": spec.kind, "rank": spec.rank, "step": spec.step, "fired": fired is not None,
+        "detected_by": None, "detection_s": None, "restart_s": None, "recovery_s": None,
+        "steps_lost": None, "world_size_after": None, "recovered": False,
+    }
+    if fired is None:
+        row["detected_by"] = "not fired"
+        return row
+    row["fault_time"] = fired["t"]
+    it = int(fired["iteration"])
+    group = groups.get(it + 1)
+    if group is None:
+        row["detected_by"] = "no restart seen"
+        return row
+    t_fault, t_detect, t_back = fired["t"], group["detection_time"], group["reentry_time"]
+    row["detected_by"] = _detected_by(group)
+    row["detection_s"] = _round(t_detect - t_fault if t_detect is not None else None)
+    row["restart_s"] = _round(t_back - t_detect if None not in (t_back, t_detect) else None)
+    enters = [e for e in _of(events, "enter") if e["iteration"] == it + 1]
+    later_steps = [e for e in _of(events, "step") if e["iteration"] > it]
+    later_done = [e for e in _of(events, "done") if e["iteration"] > it]
+    if enters:
+        row["world_size_after"] = enters[0]["active_world_size"]
+        before = [e["step"] for e in _of(events, "step") if e["iteration"] == it]
+        resumed_from = [e["resume_step"] for e in _of(events, "enter") if e["iteration"] == it]
+        done_before = max(before, default=min(resumed_from, default=0))
+        row["steps_lost"] = max(0, done_before - enters[0]["resume_step"])
+    if later_steps:
+        row["recovery_s"] = _round(later_steps[0]["t"] - t_fault)
+    row["recovered"] = bool(enters) and bool(later_steps or later_done)
+    return row
+
+
+def _goodput(events: dict[int, list[dict]], wall_s: float) -> dict:
+    kept: dict[int, tuple[int, list[float]]] = {}
+    for e in _of(events, "step"):
+        it, durations = kept.get(e["step"], (-1, []))
+        if e["iteration"] > it:
+            kept[e["step"]] = (e["iteration"], [e["t"] - e["t0"]])
+        elif e["iteration"] == it:
+            durations.append(e["t"] - e["t0"])
+    useful = sum(statistics.median(d) for _, d in kept.values())
+    steps = _of(events, "step")
+    window = (steps[-1]["t"] - min(e["t0"] for e in steps)) if steps else 0.0
+    return {
+        "useful_step_s": round(useful, 3),
+        "goodput": round(useful / wall_s, 4) if wall_s > 0 else 0.0,
+        "train_window_s": round(window, 3),
+        "train_goodput": round(useful / window, 4) if window > 0 else 0.0,
+        "steps_completed": max(kept, default=0),
+    }
+
+
+def build_summary(
+    events: dict[int, list[dict]],
+    faults: list[FaultSpec],
+    *,
+    steps: int,
+    wall_s: float,
+    exits: dict[int, str] | None = None,
+    timed_out: bool = False,
+    accuracy_target: float = ACCURACY_TARGET,
+) -> dict:
+    """The ``summary.json`` object for one run (see the module docstring for the definitions).
+
+    Args:
+        events: event logs keyed by initial rank (:func:`read_events`).
+        faults: the schedule that was injected.
+        steps: steps the run was asked for.
+        wall_s: the demo's wall time, seconds.
+        exits: per initial rank, how its process ended (text).
+        timed_out: the parent's global timeout expired.
+    """
+    fired = {e["index"]: e for e in _of(events, "fault")}
+    groups = restart_groups(events)
+    rows = [_fault_row(spec, fired.get(i), events, groups) for i, spec in enumerate(faults)]
+    matched = {int(fired[i]["iteration"]) + 1 for i in range(len(faults)) if i in fired}
+    done = _of(events, "done")
+    accuracy = done[-1]["accuracy"] if done else None
+    good = _goodput(events, wall_s)
+    complete = bool(done) and good["steps_completed"] >= steps
+    ok = (
+        all(r["recovered"] for r in rows)
+        and accuracy is not None and accuracy >= accuracy_target
+        and complete and not timed_out
+    )
+    return {
+        "faults": rows,
+        "accuracy": accuracy,
+        "accuracy_target": accuracy_target,
+        "goodput": good["goodput"],
+        "wall_s": round(wall_s, 3),
+        **{k: v for k, v in good.items() if k != "goodput"},
+        "steps": steps,
+        "restarts": len(groups),
+        "unplanned_restarts": [g for t, g in groups.items() if t not in matched],
+        "exits": {str(k): v for k, v in sorted((exits or {}).items())},
+        "timed_out": timed_out,
+        "ok": ok,
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def render_table(summary: dict) -> Any:
+    """A rich renderable: the fault table and the run's totals."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="trainguard demo: faults and recovery", title_style="bold")
+    for name, justify in (
+        ("fault", "left"), ("rank", "right"), ("step", "right"), ("detected by", "left"),
+        ("detection (s)", "right"), ("restart (s)", "right"), ("steps lost", "right"),
+        ("world size after", "right"), ("recovered", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name != "detected by")
+    for r in summary["faults"]:
+        table.add_row(
+            r["kind"], str(r["rank"]), str(r["step"]), str(r["detected_by"]),
+            _fmt(r["detection_s"]), _fmt(r["restart_s"]),
+            "-" if r["steps_lost"] is None else str(r["steps_lost"]),
+            "-" if r["world_size_after"] is None else str(r["world_size_after"]),
+            Text("yes", style="green") if r["recovered"] else Text("NO", style="bold red"),
+        )
+    acc = summary["accuracy"]
+    lines = [
+        f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})" if acc is not None
+        else "accuracy: training did not finish",
+        (
+            f"goodput {summary['goodput']:.1%} of {summary['wall_s']:.1f} s wall "
+            f"(useful step time {summary['useful_step_s']:.2f} s; "
+            f"{summary['train_goodput']:.1%} of the {summary['train_window_s']:.1f} s training window)"
+        ),
+        f"steps {summary['steps_completed']}/{summary['steps']}, restarts {summary['restarts']}"
+        + (f" ({len(summary['unplanned_restarts'])} unplanned)" if summary["unplanned_restarts"] else ""),
+    ]
+    if summary["timed_out"]:
+        lines.append("the demo's global timeout expired")
+    status = Text("PASS" if summary["ok"] else "FAIL", style="bold green" if summary["ok"] else "bold red")
+    return Group(table, *(Text(line) for line in lines), status)

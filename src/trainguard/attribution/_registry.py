@@ -1,0 +1,172 @@
+"""Pattern registry: the YAML rows that map log lines to failure categories and roles.
+
+The registry is data (``patterns/default.yaml``); the engine never branches on a category name
+except through the per-category attributes declared there (domain, decision, nodes, ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from trainguard.attribution.errors import AttributionError
+
+__all__ = ["CATEGORIES", "Category", "Pattern", "ProgressPattern", "Registry", "load_registry"]
+
+#: The category contract (``shared/data/logs/README.md``); a registry may not invent others.
+CATEGORIES = (
+    "cuda_oom", "host_oom", "gpu_hardware", "network", "collective_timeout", "time_limit",
+    "preemption", "node_failure", "user_cancelled", "nan_or_inf", "config_error", "missing_path",
+    "permission_denied", "storage_full", "checkpoint_error", "code_exception", "framework_crash",
+    "completed", "in_progress", "unknown",
+)
+_ROLES = {"root", "confirmation", "cascade", "exit", "benign", "teardown", "diagnostic",
+          "identity", "checkpoint", "completion"}
+_DOMAINS = {"workload", "infrastructure", "unknown", "none"}
+_DECISIONS = {"RESTART", "RESTART_EXCLUDE_NODES", "STOP", "CONTINUE"}
+
+
+@dataclass(frozen=True)
+class Category:
+    """Per-category policy: failure domain, default decision, and how culprits are named."""
+
+    name: str
+    domain: str
+    decision: str
+    nodes: bool = False  # hardware/connectivity categories name culprit nodes
+    ranks: bool = True  # False: not tied to the ranks that print it (scheduler events)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One registry row, compiled."""
+
+    id: str
+    role: str
+    category: str | None
+    tier: int
+    priority: int
+    triggers: tuple[str, ...]
+    regex: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class ProgressPattern:
+    id: str
+    trigger: bytes
+    regex: re.Pattern[str]
+
+
+@dataclass
+class Registry:
+    """Compiled registry: categories, line patterns (by role) and progress patterns."""
+
+    categories: dict[str, Category]
+    patterns: list[Pattern]
+    progress: list[ProgressPattern]
+    triggers: tuple[bytes, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        seen: list[bytes] = []
+        for pat in self.patterns:
+            for trig in pat.triggers:
+                enc = trig.encode()
+                if enc not in seen:
+                    seen.append(enc)
+        # Drop triggers containing a shorter trigger: the shorter one already finds the line.
+        self.triggers = tuple(t for t in seen if not any(o != t and o in t for o in seen))
+
+
+def _bad(path: str, what: str) -> AttributionError:
+    return AttributionError(f"pattern registry {path}: {what}")
+
+
+def _compile_pattern(row: dict, path: str, categories: dict[str, Category]) -> Pattern:
+    pid = row.get("id")
+    role = row.get("role")
+    if not pid or role not in _ROLES:
+        raise _bad(path, f"row {row!r} needs an id and a role in {sorted(_ROLES)}")
+    category = row.get("category")
+    if role in {"root", "confirmation", "cascade", "exit", "diagnostic"} and \
+            category not in categories:
+        raise _bad(path, f"pattern {pid!r} has category {category!r}; use one of {CATEGORIES}")
+    triggers = tuple(str(t).lower() for t in row.get("any") or ())
+    if not triggers:
+        raise _bad(path, f"pattern {pid!r} needs at least one lowercase trigger in 'any'")
+    try:
+        regex = re.compile(row["regex"], re.IGNORECASE)
+    except (KeyError, re.error) as exc:
+        raise _bad(path, f"pattern {pid!r} has no valid regex: {exc}") from exc
+    tier = int(row.get("tier", 0))
+    default_priority = 25 if role == "cascade" else tier
+    return Pattern(pid, role, category, tier, int(row.get("priority", default_priority)),
+                   triggers, regex)
+
+
+def _load_categories(doc: dict, path: str) -> dict[str, Category]:
+    cats: dict[str, Category] = {}
+    for name, attrs in (doc.get("categories") or {}).items():
+        if name not in CATEGORIES:
+            raise _bad(path, f"unknown category {name!r}; the contract allows {CATEGORIES}")
+        domain, decision = attrs.get("domain"), attrs.get("decision")
+        if domain not in _DOMAINS or decision not in _DECISIONS:
+            raise _bad(path, f"category {name!r} needs domain in {_DOMAINS} and decision in "
+                             f"{_DECISIONS}")
+        cats[name] = Category(name, domain, decision, bool(attrs.get("nodes", False)),
+                              bool(attrs.get("ranks", True)))
+    missing = set(CATEGORIES) - set(cats)
+    if missing:
+        raise _bad(path, f"categories missing: {sorted(missing)}")
+    return cats
+
+
+def parse_registry(text: str, path: str = "<string>") -> Registry:
+    """Build a :class:`Registry` from YAML text.
+
+    Raises:
+        AttributionError: the YAML is malformed or a row is invalid (the message names the row).
+    """
+    try:
+        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        raise _bad(path, f"not valid YAML: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise _bad(path, "top level must be a mapping with 'categories' and 'patterns'")
+    cats = _load_categories(doc, path)
+    patterns = [_compile_pattern(row, path, cats) for row in doc.get("patterns") or ()]
+    progress = []
+    for row in doc.get("progress") or ():
+        try:
+            progress.append(ProgressPattern(row["id"], str(row["any"]).lower().encode(),
+                                            re.compile(row["regex"], re.IGNORECASE)))
+        except (KeyError, re.error) as exc:
+            raise _bad(path, f"progress row {row!r} is invalid: {exc}") from exc
+    return Registry(cats, patterns, progress)
+
+
+def load_registry(path: str | None = None) -> Registry:
+    """Load the registry shipped with trainguard, or the YAML file at ``path`` (cached).
+
+    Raises:
+        AttributionError: the file cannot be read or is invalid.
+    """
+    return _load(os.path.abspath(path) if path else None)
+
+
+@lru_cache(maxsize=8)
+def _load(path: str | None) -> Registry:
+    if path is None:
+        text = resources.files("trainguard.attribution").joinpath(
+            "patterns/default.yaml").read_text(encoding="utf-8")
+        return parse_registry(text, "default.yaml")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _bad(path, f"cannot read: {exc}") from exc
+    return parse_registry(text, path)

@@ -1,0 +1,296 @@
+"""Streaming log scanner: constant memory, stable line numbers, registry-driven.
+
+Each file is read in 1 MiB chunks. Only lines containing one of the registry's lowercase trigger
+substrings are decoded and matched (one Aho-Corasick pass per chunk with ``ahocorasick_rs``, else
+one ``bytes.find`` pass per trigger), and progress is looked
+up from the end of each chunk, since only the last iteration matters. Everything kept is bounded:
+at most ``_KEEP`` matches per pattern plus per-pattern sets of who printed them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+try:  # optional accelerator: multi-substring search in one pass (Rust Aho-Corasick)
+    import ahocorasick_rs as _ac
+except ImportError:  # pragma: no cover - the bytes.find fallback gives identical results
+    _ac = None
+
+from trainguard.attribution._context import LineContext, parse_prefix
+from trainguard.attribution._registry import Pattern, Registry
+from trainguard.attribution.errors import LogInputError
+
+__all__ = ["Match", "ScanState", "scan_files"]
+
+_CHUNK = 1 << 20
+_MAX_LINE = 1 << 16  # longer lines are split; their tail is matched as its own line
+_KEEP = 64
+_TAIL = 1 << 16
+_MAX_KEYS = 4096
+_TEXT = 400
+_FAILURE_ROLES = {"root", "confirmation", "cascade", "exit", "diagnostic"}
+
+
+@dataclass(frozen=True)
+class Match:
+    """One matched line: pattern, position, context and named groups."""
+
+    pattern: Pattern
+    file: int
+    line: int
+    text: str
+    ctx: LineContext
+    groups: tuple[tuple[str, str], ...]
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.file, self.line)
+
+    def group(self, prefix: str) -> list[str]:
+        return [v for k, v in self.groups if k.startswith(prefix)]
+
+
+@dataclass
+class ScanState:
+    """Everything the verdict needs, accumulated over all files."""
+
+    files: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    lines: int = 0
+    warnings: list[str] = field(default_factory=list)
+    matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    who: dict[str, set] = field(default_factory=lambda: defaultdict(set))
+    task_ranks: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    task_host: dict[int, str] = field(default_factory=dict)
+    rank_host: dict[int, str] = field(default_factory=dict)
+    pid_rank: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    ip_host: dict[str, str] = field(default_factory=dict)
+    world_size: int | None = None
+    exit_records: list[tuple[int, str | None, int]] = field(default_factory=list)
+    enqueued: dict[int, int] = field(default_factory=dict)
+    first_progress: tuple | None = None
+    last_progress: tuple | None = None
+    last_checkpoint: tuple | None = None
+    _record_host: str | None = None
+    _record_rank: int | None = None
+
+    def add(self, m: Match) -> None:
+        pid = m.pattern.id
+        self.counts[pid] += 1
+        if len(self.matches[pid]) < _KEEP:
+            self.matches[pid].append(m)
+        who = self.who[pid]
+        if len(who) < _MAX_KEYS:
+            who.add((m.ctx, m.groups))
+
+
+def _decode(raw: bytes, state: ScanState, name: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("latin-1")
+        note = f"{name}: not valid UTF-8; decoded as latin-1"
+        if note not in state.warnings:
+            state.warnings.append(note)
+    return text.rstrip("\r")
+
+
+def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanState, pos) -> None:
+    g = {k: v for k, v in groups.items() if v is not None}
+    if "world" in g:
+        state.world_size = max(state.world_size or 0, int(g["world"]))
+    if pat.id == "nccl_comm_rank" and ctx.node and ctx.pid is not None:
+        prev = state.pid_rank.get((ctx.node, ctx.pid))
+        if prev is None or int(g["world"]) >= prev[0]:
+            state.pid_rank[(ctx.node, ctx.pid)] = (int(g["world"]), int(g["rank"]))
+    elif pat.id == "nccl_bootstrap_ip" and ctx.node:
+        state.ip_host.setdefault(g["ip"], ctx.node)
+    elif pat.id == "torchrun_record_host":
+        state._record_host = g["host"]
+    elif pat.id == "torchrun_record_rank":
+        state._record_rank = int(g["rank"])
+        if state._record_host:
+            state.rank_host.setdefault(state._record_rank, state._record_host)
+    elif pat.id == "torchrun_record_exit" and state._record_rank is not None:
+        state.exit_records.append((state._record_rank, state._record_host, int(g["code"])))
+        state._record_rank = None
+    elif "rank" in g:
+        rank = int(g["rank"])
+        if ctx.task is not None:
+            state.task_ranks[ctx.task].add(rank)
+        if "host" in g:
+            state.rank_host.setdefault(rank, g["host"])
+            if ctx.task is not None:
+                state.task_host.setdefault(ctx.task, g["host"])
+    if pat.role == "checkpoint":
+        step = g.get("step") or g.get("step2")
+        state.last_checkpoint = (pos, int(step) if step else None)
+
+
+def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanState) -> None:
+    text = _decode(raw, state, state.files[pos[0]])
+    ctx, body = parse_prefix(text)
+    low = body.lower()
+    best: tuple[Pattern, dict] | None = None
+    quiet = False
+    for pat in reg.patterns:
+        if not any(t in low for t in pat.triggers):
+            continue
+        m = pat.regex.search(body)
+        if m is None:
+            continue
+        if pat.role in ("benign", "teardown"):
+            quiet = True
+        elif pat.role in _FAILURE_ROLES:
+            if best is None or pat.priority > best[0].priority:
+                best = (pat, m.groupdict())
+        else:
+            _fact(pat, m.groupdict(), ctx, state, (pos, text[:_TEXT]))
+            if pat.role == "completion":
+                state.add(Match(pat, pos[0], pos[1], text[:_TEXT], ctx, ()))
+    if best is not None and not quiet:
+        pat, groups = best
+        kept = tuple((k, v) for k, v in groups.items() if v is not None)
+        match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept)
+        state.add(match)
+        _side_facts(match, state)
+
+
+def _side_facts(m: Match, state: ScanState) -> None:
+    groups = dict(m.groups)
+    if "task" in groups and "node" in groups:
+        state.task_host.setdefault(int(groups["task"]), groups["node"])
+    if "enqueued" in groups and m.ctx.rank is not None:
+        state.enqueued[m.ctx.rank] = int(groups["enqueued"])
+
+
+def _last_progress(chunk: bytes, low: bytes, lo: int, reg: Registry):
+    """(line start, step, text) of the last progress line of ``low[lo:]``, or None."""
+    best = None
+    for pp in reg.progress:
+        end = len(low)
+        for _ in range(4):  # the last few occurrences of the trigger
+            i = low.rfind(pp.trigger, lo, end)
+            if i < 0:
+                break
+            start = low.rfind(b"\n", 0, i) + 1
+            stop = low.find(b"\n", i)
+            line = chunk[start:stop].decode("utf-8", "replace")
+            m = pp.regex.search(line)
+            if m and m.groupdict().get("step") and (best is None or start > best[0]):
+                best = (start, int(m.group("step")), line[:_TEXT])
+                break
+            end = start
+    return best
+
+
+def _progress(chunk: bytes, low: bytes, end_line: int, file: int, reg: Registry,
+              state: ScanState) -> None:
+    """Record the chunk's last progress line; ``end_line`` is the line count after the chunk."""
+    # the chunk's tail nearly always holds the last progress line; search it first
+    best = _last_progress(chunk, low, max(0, len(low) - _TAIL), reg)
+    if best is None and len(low) > _TAIL:
+        best = _last_progress(chunk, low, 0, reg)
+    if best is None:
+        return
+    lineno = end_line - chunk.count(b"\n", best[0]) + 1  # counted from the (near) end
+    fact = ((file, lineno), best[1], best[2])
+    state.last_progress = fact
+    if state.first_progress is None:
+        state.first_progress = fact
+
+
+def _trigger_hits(low: bytes, reg: Registry) -> set[int]:
+    """Start offsets of the lines of ``low`` that contain a registry trigger."""
+    starts: set[int] = set()
+    matcher = _matcher(reg.triggers)
+    if matcher is not None:  # one Aho-Corasick pass over the chunk
+        for _, i, _ in matcher.find_matches_as_indexes(low):
+            starts.add(low.rfind(b"\n", 0, i) + 1)
+        return starts
+    for trig in reg.triggers:  # fallback: one bytes.find pass per trigger
+        i = low.find(trig)
+        while i >= 0:
+            starts.add(low.rfind(b"\n", 0, i) + 1)
+            nl = low.find(b"\n", i)
+            i = low.find(trig, nl) if nl >= 0 else -1
+    return starts
+
+
+@lru_cache(maxsize=8)
+def _matcher(triggers: tuple[bytes, ...]):
+    if _ac is None:
+        return None
+    return _ac.BytesAhoCorasick(list(triggers), matchkind=_ac.MatchKind.LeftmostFirst)
+
+
+def _chunk(chunk: bytes, base: int, file: int, reg: Registry, state: ScanState) -> int:
+    """Scan one chunk of whole lines starting after line ``base``; returns its newline count."""
+    low = chunk.lower()
+    starts = _trigger_hits(low, reg)
+    line, prev = base, 0
+    for start in sorted(starts):
+        line += chunk.count(b"\n", prev, start)
+        prev = start
+        stop = chunk.find(b"\n", start)
+        raw = chunk[start:stop if stop >= 0 else len(chunk)]
+        _handle_line(raw[:_MAX_LINE], (file, line + 1), reg, state)
+    total = line - base + chunk.count(b"\n", prev)
+    _progress(chunk, low, base + total, file, reg, state)
+    return total
+
+
+def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below; we need errors from open itself
+    except OSError as exc:
+        raise LogInputError(f"cannot read log {path!r}: {exc.strerror or exc}") from exc
+    with fh:
+        head = fh.read(8192)
+        if b"\x00" in head:
+            raise LogInputError(f"log {path!r} looks binary (NUL bytes in its first 8 KiB); "
+                                "pass the text stdout/stderr of the job")
+        if not head:
+            state.warnings.append(f"{path}: empty log")
+            return
+        fh.seek(0)
+        base, carry = 0, b""
+        while True:
+            block = fh.read(_CHUNK)
+            if not block:
+                break
+            state.bytes_read += len(block)
+            buf = carry + block
+            cut = buf.rfind(b"\n")
+            if cut < 0 and len(buf) < _MAX_LINE:
+                carry = buf
+                continue
+            cut = cut if cut >= 0 else len(buf) - 1
+            chunk, carry = buf[:cut + 1], buf[cut + 1:]
+            base += _chunk(chunk, base, file, reg, state)
+        if carry:
+            base += _chunk(carry + b"\n", base, file, reg, state)
+        state.lines += base
+
+
+def scan_files(paths: list[str], reg: Registry) -> ScanState:
+    """Scan ``paths`` in order and return the accumulated :class:`ScanState`.
+
+    Raises:
+        LogInputError: no paths, a path is missing/unreadable/a directory, a log is binary, or
+            every log is empty.
+    """
+    if not paths:
+        raise LogInputError("no log files given; pass at least one path")
+    state = ScanState(files=[str(p) for p in paths])
+    for i, path in enumerate(state.files):
+        if os.path.isdir(path):
+            raise LogInputError(f"{path!r} is a directory; pass the log files inside it")
+        _scan_file(path, i, reg, state)
+    if state.bytes_read == 0:
+        raise LogInputError(f"every log is empty ({', '.join(state.files)}); nothing to analyse")
+    return state

@@ -1,0 +1,223 @@
+"""Staging: flatten a state into (skeleton, tensors) and copy tensors into reusable shm arenas.
+
+An arena is one anonymous shared-memory file (``memfd``) mapped by the trainer and by its writer
+process. It is pre-faulted once at creation and reused across saves, so staging a
+state costs one memcpy (no page faults, no per-tensor shm handles, no file descriptors per tensor).
+The trainer owns arenas and closes them on close.
+
+Only strided, non-quantized tensors inside plain dicts/lists/tuples are staged; every other value
+(and tensors hidden inside custom objects) is pickled during staging, which is also a snapshot.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainguard.checkpointing.errors import StateDictError
+
+__all__ = ["Arena", "TensorRef", "TensorSlot", "flatten", "pickle_skeleton", "rebuild", "stage"]
+
+_ALIGN = 64
+
+
+class TensorRef:
+    """Placeholder for the ``index``-th staged tensor inside a pickled skeleton."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self):
+        return (TensorRef, (self.index,))
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a staged tensor lives in an arena: byte ``offset``, ``nbytes``, dtype name, shape."""
+
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> list:
+        return [self.offset, self.nbytes, self.dtype, list(self.shape)]
+
+    @staticmethod
+    def from_json(raw: list) -> TensorSlot:
+        return TensorSlot(int(raw[0]), int(raw[1]), str(raw[2]), tuple(raw[3]))
+
+
+def _stageable(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and not value.is_quantized
+        and value.device.type != "meta"
+    )
+
+
+def flatten(obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Replace stageable tensors in nested dicts/lists/tuples by :class:`TensorRef`.
+
+    Returns (skeleton, [(key path, tensor)]) in skeleton order.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, path: str) -> Any:
+        if _stageable(value):
+            found.append((path, value))
+            return TensorRef(len(found) - 1)
+        if type(value) in (dict, OrderedDict):
+            return type(value)((k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
+        if type(value) in (list, tuple):
+            return type(value)(walk(v, f"{path}[{i}]") for i, v in enumerate(value))
+        return value
+
+    return walk(obj, ""), found
+
+
+def _leaves(value: Any, path: str = ""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif type(value) in (list, tuple):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def pickle_skeleton(skeleton: Any) -> bytes:
+    """Pickle the skeleton (this is the snapshot of every non-staged value).
+
+    Raises:
+        StateDictError: a value cannot be pickled; the message names its key path.
+    """
+    try:
+        return pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # pickling raises many types (TypeError, PicklingError, ...)
+        for path, leaf in _leaves(skeleton):
+            try:
+                pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as leaf_exc:
+                raise StateDictError(
+                    f"state value at key {path or '<root>'!r} ({type(leaf).__name__}) cannot be "
+                    f"pickled: {leaf_exc}. Convert it to plain data or a tensor, or drop it from the "
+                    "state dict before saving."
+                ) from leaf_exc
+        raise StateDictError(f"state cannot be pickled: {exc}") from exc
+
+
+def plan_slots(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSlot], int]:
+    """Lay tensors out back to back at 64-byte alignment; returns (slots, total bytes)."""
+    slots, offset = [], 0
+    for _, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        slots.append(TensorSlot(offset, nbytes, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return slots, offset
+
+
+class Arena:
+    """A pre-faulted shared-memory buffer of ``capacity`` bytes (owner: the creating process).
+
+    Backed by ``memfd_create`` and handed to the writer as a file descriptor over its socket, so
+    there is no /dev/shm name to leak (nor for anyone to unlink under us) and the memory is freed
+    when the last process holding it exits, even after a crash.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(int(capacity), mmap.PAGESIZE)
+        self.name = f"tg_ckpt_{os.getpid()}_{uuid.uuid4().hex[:10]}"
+        self.fd: int | None = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.capacity)
+            self._mm: mmap.mmap | None = mmap.mmap(self.fd, self.capacity)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.buf.zero_()  # first touch now, not during the save
+        self.pinned = False
+
+    def view(self, slot: TensorSlot) -> torch.Tensor:
+        raw = self.buf[slot.offset : slot.offset + slot.nbytes]
+        return raw.view(getattr(torch, slot.dtype)).view(slot.shape)
+
+    def close(self) -> None:
+        """Unmap and close (idempotent); the memory is freed once the writer unmaps it too."""
+        if self._mm is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+        self.buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; it is freed with that view
+            pass
+        self._mm = None
+        os.close(self.fd)  # type: ignore[arg-type]
+        self.fd = None
+
+
+def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], arena: Arena) -> None:
+    """Copy every tensor into its slot; returns when all copies (CPU and CUDA) are complete."""
+    cuda_devices = set()
+    if not arena.pinned and any(t.is_cuda for _, t in tensors):
+        # Pinned (page-locked) staging makes D2H copies run at PCIe speed and asynchronously.
+        torch.cuda.cudart().cudaHostRegister(arena.buf.data_ptr(), arena.capacity, 0)
+        arena.pinned = True
+    with torch.no_grad():
+        for (_, t), slot in zip(tensors, slots):
+            dst = arena.view(slot)
+            if t.is_cuda:
+                cuda_devices.add(t.device)
+                dst.copy_(t.detach(), non_blocking=True)
+            else:
+                dst.copy_(t.detach())
+    for device in cuda_devices:
+        torch.cuda.synchronize(device)
+
+
+def open_mapping(fd: int) -> mmap.mmap:
+    """Map an arena received as a file descriptor from the trainer (writer side); closes fd."""
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def rebuild(skeleton_bytes: bytes, mm: mmap.mmap, slots: list[TensorSlot]) -> Any:
+    """Writer side: unpickle the skeleton and put arena-backed tensors in place of the refs.
+
+    Each tensor gets its own storage over exactly its bytes, so ``torch.save`` writes only them.
+    """
+    tensors = []
+    for s in slots:
+        dtype = getattr(torch, s.dtype)
+        if s.nbytes == 0:
+            tensors.append(torch.empty(s.shape, dtype=dtype))
+        else:
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=s.nbytes, offset=s.offset)
+            tensors.append(raw.view(dtype).view(s.shape))
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, TensorRef):
+            return tensors[value.index]
+        if type(value) in (dict, OrderedDict):
+            return type(value)((k, walk(v)) for k, v in value.items())
+        if type(value) in (list, tuple):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(pickle.loads(skeleton_bytes))

@@ -1,0 +1,13 @@
+"""Asynchronous checkpointing: a persistent writer process per rank, staged true snapshots.
+
+``AsyncCheckpointer.save`` (step checkpoints, torch or DCP format, collective commit) and
+``AsyncCheckpointer.async_save`` (``torch.save``-style per-rank files).
+"""
+
+from trainguard.checkpointing.async_ckpt._checkpointer import (
+    AsyncCheckpointer,
+    SaveRequest,
+    abort_all_checkpointers,
+)
+
+__all__ = ["AsyncCheckpointer", "SaveRequest", "abort_all_checkpointers"]

@@ -1,0 +1,461 @@
+"""AsyncCheckpointer: prepare -> stage (blocking memcpy) -> write (worker) -> finalize (collective).
+
+Collaborators: :class:`~trainguard.checkpointing.manager.CheckpointManager` (layout, commit,
+retention), the staging arenas and the persistent writer process (``_writer``), and the collective
+commit (``_commit``). One instance per rank; all ranks call ``save`` with the same steps in the
+same order, and ``maybe_finalize`` at the same points.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard._core.clock import Deadline, as_seconds
+from trainguard._core.hooks import register_reset_callback
+from trainguard._core.logging import get_logger
+from trainguard.checkpointing import _staging
+from trainguard.checkpointing.async_ckpt._commit import commit_collective, raise_for_failures
+from trainguard.checkpointing.async_ckpt._writer import ArenaPool, WriterDied, WriterProcess
+from trainguard.checkpointing.errors import CheckpointNotFoundError, CheckpointTimeout
+from trainguard.checkpointing.manager import CheckpointManager, rank_file
+from trainguard.errors import ConfigError
+
+__all__ = ["AsyncCheckpointer", "SaveRequest"]
+
+_log = get_logger("trainguard.checkpointing")
+_INSTANCES: weakref.WeakSet = weakref.WeakSet()
+_ids = itertools.count(1)
+
+
+def abort_all_checkpointers() -> None:
+    """Reset callback for in-process restart: kill every writer, drop every in-flight save."""
+    for ckpt in list(_INSTANCES):
+        ckpt.abort()
+
+
+register_reset_callback("trainguard.checkpointing.async", abort_all_checkpointers)
+
+
+@dataclass
+class SaveRequest:
+    """One queued save. ``state`` goes writing -> written|failed; finalize pops it."""
+
+    id: int
+    step: int | None
+    kind: str
+    rel_dir: str
+    file: str
+    storage_url: str
+    collective: bool
+    deadline: Deadline
+    finalize_fns: list[Callable[[], None]] = field(default_factory=list)
+    state: str = "writing"
+    record: dict[str, Any] = field(default_factory=dict)
+    extra: bytes | None = None
+    stage_s: float = 0.0
+
+
+class AsyncCheckpointer:
+    """Asynchronous, never-torn checkpoints with one persistent writer process per rank.
+
+    Args:
+        root: directory or fsspec URL of step checkpoints (None: only :meth:`async_save` files).
+        format: ``"torch"`` (one ``torch.save`` file per rank) or ``"dcp"`` (readable by
+            ``torch.distributed.checkpoint.load``; keys must be strings).
+        keep_last: committed checkpoints kept (>= 1).
+        write_timeout: longest a write may take before the writer counts as stuck and is killed.
+        collective_timeout: timeout of the checkpointer's own gloo group (finalize/load).
+        max_in_flight: staging arenas (host memory = this x state size); a save waits for the
+            oldest write when all are busy.
+        faults: test seam, step -> fault dict for the writer (see ``_worker``).
+
+    Failure contract:
+        * a dead, stuck or failing writer, or a failed commit, raises ``CheckpointWriteError``
+          (``CheckpointWorkerError`` for dead/stuck) from ``maybe_finalize`` on every rank;
+        * the previous committed checkpoint stays loadable and the next ``save`` works (it
+          restarts the writer when needed);
+        * ``abort()`` (also run by in-process restart's reset callbacks) kills the writer.
+
+    Follows: NVRx ``AsyncCallsQueue`` + persistent caller; differences: true snapshots in reused
+    shm arenas, liveness checks and timeouts, checksums and a manifest commit marker.
+    """
+
+    def __init__(self, root: Any = None, *, format: str = "torch", keep_last: int = 2,
+                 write_timeout: float | timedelta = 600.0,
+                 collective_timeout: float | timedelta = 600.0, max_in_flight: int = 2,
+                 use_dist: bool | None = None, faults: dict[int, dict] | None = None) -> None:
+        if format not in ("torch", "dcp"):
+            raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        self.write_timeout_s = as_seconds(write_timeout, "write_timeout")
+        self.collective_timeout_s = as_seconds(collective_timeout, "collective_timeout")
+        if self.write_timeout_s <= 0 or self.collective_timeout_s <= 0:
+            raise ConfigError("write_timeout and collective_timeout must be > 0 seconds")
+        self.format = format
+        self.use_dist = dist.is_available() and dist.is_initialized() if use_dist is None else use_dist
+        self.rank = dist.get_rank() if self.use_dist else 0
+        self.world_size = dist.get_world_size() if self.use_dist else 1
+        self.manager = CheckpointManager(root, keep_last) if root is not None else None
+        self.faults = dict(faults or {})
+        self.writer = WriterProcess(self.rank)
+        self.pool = ArenaPool(max_in_flight)
+        self.queue: deque[SaveRequest] = deque()
+        self._group: Any = None
+        self._last_step: int | None = None
+        self._closed = False
+        if self.manager is not None:
+            self._check_writable()
+            if self.rank == 0:
+                self.manager.cleanup_stale()
+            if self.use_dist:  # no rank may start writing before the leftovers are gone
+                self._collective(dist.barrier, group=self._ensure_group())
+        _INSTANCES.add(self)
+        self._finalizer = weakref.finalize(self, _release, self.writer, self.pool)
+        if self.manager is not None:
+            self.writer.ensure_started()  # warm up: the child imports torch while training runs
+
+    # -- setup -------------------------------------------------------------------------------
+    def _check_writable(self) -> None:
+        try:
+            self.manager.storage.makedirs("")  # type: ignore[union-attr]
+            self.manager.storage.write_bytes(f".probe{os.getpid()}", b"")  # type: ignore[union-attr]
+            self.manager.storage.remove(f".probe{os.getpid()}")  # type: ignore[union-attr]
+        except OSError as exc:
+            raise ConfigError(
+                f"checkpoint location {self.manager.storage.url!r} is not writable "  # type: ignore[union-attr]
+                f"({type(exc).__name__}: {exc}); choose a writable directory or fix its "
+                "permissions/quota") from exc
+
+    def _ensure_group(self) -> Any:
+        """Own gloo group (created collectively on first use, and again after abort())."""
+        if self.use_dist and self._group is None:
+            self._group = dist.new_group(backend="gloo",
+                                         timeout=timedelta(seconds=self.collective_timeout_s))
+        return self._group
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, state_dict: Any, step: int,
+             finalize_fns: Sequence[Callable[[], None]] = ()) -> SaveRequest:
+        """Stage ``state_dict`` and queue its write as checkpoint ``step`` (all ranks call it).
+
+        Blocks for the memcpy of every tensor into a staging arena (plus waiting for a free arena
+        when ``max_in_flight`` saves are unwritten, bounded by ``write_timeout``). After it returns
+        the caller may mutate its tensors. Commit happens in :meth:`maybe_finalize`.
+
+        Raises:
+            ConfigError: no root, a bad step (not an int, or not newer than the last commit), or a
+                state that the chosen format cannot hold.
+            StateDictError: a value cannot be pickled (the key is named).
+        """
+        if self.manager is None:
+            raise ConfigError("save() needs AsyncCheckpointer(root=...); use async_save(obj, path) "
+                              "for plain per-rank files")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ConfigError(f"step {step} is not newer than the last committed step "
+                              f"{self._last_step}; checkpoints are never overwritten")
+        if self.format == "dcp" and not (isinstance(state_dict, dict)
+                                         and all(isinstance(k, str) for k in state_dict)):
+            raise ConfigError("format='dcp' needs a dict with str keys (DCP flattens nested dicts)")
+        self._ensure_group()
+        rel = self.manager.step_dir(step)
+        return self._submit(state_dict, step, self.format, rel, rank_file(self.rank),
+                            self.manager.storage.url, True, finalize_fns)
+
+    def async_save(self, obj: Any, path: str, finalize_fns: Sequence[Callable[[], None]] = (),
+                   fault: dict | None = None) -> SaveRequest:
+        """``torch.save(obj, path)`` in the background (per-rank file, no collective, atomic).
+
+        ``path`` is a local path or fsspec URL; the file appears complete or not at all.
+        ``fault`` is a test seam (see ``_worker``).
+        Raises: see :meth:`save`.
+        """
+        text = os.fspath(path)
+        base, _, name = text.rpartition("/")
+        if not name:
+            raise ConfigError(f"async_save path {text!r} must name a file")
+        return self._submit(obj, None, "torch", "", name, base or ".", False, finalize_fns, fault)
+
+    def _submit(self, obj: Any, step: int | None, kind: str, rel_dir: str, file: str,
+                url: str, collective: bool, finalize_fns: Sequence[Callable[[], None]],
+                fault: dict | None = None) -> SaveRequest:
+        if self._closed:
+            raise ConfigError("this AsyncCheckpointer is closed; create a new one")
+        t0 = time.perf_counter()
+        skeleton, tensors = _staging.flatten(obj)
+        payload = _staging.pickle_skeleton(skeleton)
+        slots, total = _staging.plan_slots(tensors)
+        req = SaveRequest(next(_ids), step, kind, rel_dir, file, url, collective,
+                          Deadline(self.write_timeout_s), list(finalize_fns))
+        self._wait_for_arena()
+        # The pickled skeleton rides in the arena behind the tensors: the request message stays
+        # tiny, so sending never blocks on a writer that is still starting.
+        trailer = pickle.dumps(([s.to_json() for s in slots], payload), protocol=5)
+        arena = self.pool.acquire(total + len(trailer), req.id, self._retire)
+        _staging.stage(tensors, slots, arena)
+        arena.buf[total : total + len(trailer)].copy_(
+            torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+        req.stage_s = time.perf_counter() - t0
+        req.deadline = Deadline(self.write_timeout_s)
+        header = {"op": "save", "id": req.id, "step": step, "kind": kind, "dir": rel_dir,
+                  "file": file, "rank": self.rank, "storage": url, "arena": arena.name,
+                  "trailer": [total, len(trailer)],
+                  "fault": self.faults.get(step) if step is not None else fault}
+        self.queue.append(req)
+        try:
+            self.writer.ensure_started()
+            self.writer.send(header, arena=arena)
+        except WriterDied as exc:
+            self._fail_pending(str(exc), dead=True)
+        return req
+
+    def _retire(self, arena: _staging.Arena) -> None:
+        if self.writer.alive():
+            try:
+                self.writer.send({"op": "release", "arena": arena.name})
+            except WriterDied:
+                pass
+
+    def _wait_for_arena(self) -> None:
+        while not self.pool.can_acquire():
+            oldest = next(r for r in self.queue if r.state == "writing")
+            self._pump(oldest, blocking=True)
+
+    # -- worker replies ---------------------------------------------------------------------
+    def _fail_pending(self, message: str, dead: bool) -> None:
+        for req in self.queue:
+            if req.state == "writing":
+                req.state = "failed"
+                req.record = {"ok": False, "error": message, "dead": dead}
+                self.pool.release(req.id)
+        self.writer.kill()
+
+    def _pump(self, target: SaveRequest, blocking: bool) -> None:
+        """Read writer replies until ``target`` is no longer writing (or one poll if not blocking)."""
+        while target.state == "writing":
+            wait_s = min(0.5, target.deadline.remaining()) if blocking else 0.0
+            try:
+                got = self.writer.recv(wait_s)
+            except WriterDied as exc:
+                self._fail_pending(f"{exc} while writing (step {target.step})", dead=True)
+                return
+            if got is not None:
+                reply, extra = got
+                req = next((r for r in self.queue if r.id == reply["id"]), None)
+                if req is not None:
+                    req.state = "written" if reply["ok"] else "failed"
+                    req.record, req.extra = reply, extra
+                    self.pool.release(req.id)
+                continue
+            if target.deadline.expired():
+                pid = self.writer.pid
+                self._fail_pending(f"writer pid {pid} stuck: no reply after "
+                                   f"{self.write_timeout_s:.1f} s (write_timeout); killed", True)
+                return
+            if not blocking:
+                return
+
+    # -- finalize ----------------------------------------------------------------------------
+    def maybe_finalize(self, blocking: bool = False) -> list[int | None]:
+        """Finalize finished saves in FIFO order; returns their steps (None for async_save files).
+
+        Non-blocking: one scalar all-reduce per call tells whether the head finished on every
+        rank. Blocking: waits (bounded by write_timeout + collective_timeout) for all saves.
+
+        Raises:
+            CheckpointWriteError / CheckpointWorkerError: a save failed on some rank (all ranks
+                raise, the failed save is dropped, later saves stay queued).
+            CheckpointTimeout: a collective of the finalize timed out.
+        """
+        done: list[int | None] = []
+        while self.queue:
+            head = self.queue[0]
+            self._pump(head, blocking)
+            if not blocking and not self._all_ready(head):
+                break
+            self.queue.popleft()
+            self._finalize(head)
+            done.append(head.step)
+        return done
+
+    def _all_ready(self, head: SaveRequest) -> bool:
+        ready = head.state != "writing"
+        if not head.collective or not self.use_dist:
+            return ready
+        flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
+        self._collective(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def _collective(self, fn: Callable, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except RuntimeError as exc:
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                raise CheckpointTimeout(f"checkpoint collective {fn.__name__} timed out after "
+                                        f"{self.collective_timeout_s:.1f} s: {exc}") from exc
+            raise
+
+    def _finalize(self, req: SaveRequest) -> None:
+        record = {"rank": self.rank, "step": req.step, "kind": req.kind,
+                  "ok": req.record.get("ok", False), "error": req.record.get("error"),
+                  "dead": req.record.get("dead", False), "files": req.record.get("files", {})}
+        if req.collective:
+            group = self._group if self.use_dist else None
+            try:
+                commit_collective(self.manager, record, req.extra, group, self.rank,  # type: ignore[arg-type]
+                                  self.world_size)
+            except RuntimeError as exc:
+                if "timeout" in str(exc).lower():
+                    raise CheckpointTimeout(f"finalize of step {req.step} timed out: {exc}") from exc
+                raise
+            self._last_step = req.step
+        else:
+            failures = {} if record["ok"] else {self.rank: record["error"]}
+            raise_for_failures(None, failures, record["dead"])
+        for fn in req.finalize_fns:
+            fn()
+
+    def is_written(self, req: SaveRequest) -> bool:
+        """Local, non-blocking: has the writer finished ``req`` (successfully or not)?"""
+        self._pump(req, blocking=False)
+        return req.state != "writing"
+
+    def wait(self) -> list[int | None]:
+        """Blocking finalize of everything queued (see :meth:`maybe_finalize`)."""
+        return self.maybe_finalize(blocking=True)
+
+    @property
+    def num_unfinalized(self) -> int:
+        return len(self.queue)
+
+    # -- load --------------------------------------------------------------------------------
+    def _agree_candidates(self) -> list[int]:
+        steps = list(reversed(self.manager.committed_steps())) if self.rank == 0 else []  # type: ignore[union-attr]
+        if self.use_dist:
+            box = [steps]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+            steps = box[0]
+        return steps
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self.use_dist:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._collective(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def find_valid_step(self, step: int | None = None) -> int:
+        """Collective: newest committed step whose files verify on every rank (or ``step``).
+
+        Raises:
+            CheckpointNotFoundError: none (or ``step`` is not valid on every rank).
+            CheckpointMismatchError: the checkpoint has another world size.
+        """
+        from trainguard.checkpointing.errors import CheckpointError
+
+        if self.manager is None:
+            raise ConfigError("loading needs AsyncCheckpointer(root=...)")
+        self._ensure_group()
+        candidates = [step] if step is not None else self._agree_candidates()
+        for s in candidates:
+            problem = None
+            try:
+                man = self.manager.read_manifest(s)
+                if man["kind"] == "torch":
+                    self.manager.check_world_size(man, self.world_size)
+                names = [n for n, f in man["files"].items() if f["rank"] == self.rank]
+                self.manager.verify(s, names)
+            except CheckpointError as exc:
+                if step is not None and not self.use_dist:
+                    raise
+                problem = exc
+            if self._all_ok(problem is None):
+                return s
+            _log.warning("skipping checkpoint step %s: %s", s, problem or "invalid on another rank")
+            if step is not None and problem is not None:
+                raise problem
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint valid on every rank in {self.manager.storage.url}"
+            + (f" (requested step {step})" if step is not None else ""))
+
+    def load(self, step: int | None = None, map_location: Any = "cpu",
+             weights_only: bool = True) -> tuple[Any, int]:
+        """Collective: this rank's torch-format state of the newest valid step; (state, step).
+
+        Corrupt or partial checkpoints are skipped (with a warning) on every rank alike.
+        """
+        s = self.find_valid_step(step)
+        obj = self.manager.load_file(s, rank_file(self.rank), map_location, weights_only)  # type: ignore[union-attr]
+        self._last_step = s
+        return obj, s
+
+    def load_dcp(self, state_dict: dict[str, Any], step: int | None = None,
+                 checkpoint_id: str | os.PathLike | None = None) -> int | None:
+        """Collective: load DCP data in place into ``state_dict`` (DCP reshards as needed).
+
+        Without ``checkpoint_id``: the newest valid committed step of this root (checksums
+        verified); returns it. With ``checkpoint_id``: any DCP directory (e.g. written by
+        ``torch.distributed.checkpoint.save``), loaded as is; returns None.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        self._ensure_group()
+        group = self._group if self.use_dist else None
+        if checkpoint_id is not None:
+            dcp.load(state_dict, checkpoint_id=os.fspath(checkpoint_id), process_group=group,
+                     no_dist=not self.use_dist)
+            return None
+        s = self.find_valid_step(step)
+        dcp.load(state_dict, checkpoint_id=self.manager.path_of(s),  # type: ignore[union-attr]
+                 process_group=group, no_dist=not self.use_dist)
+        self._last_step = s
+        return s
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Kill the writer and drop every queued save without collectives (restart path).
+
+        Safe from any thread of the trainer; the next ``save`` respawns the writer and recreates
+        the checkpointer's process group.
+        """
+        self.writer.kill()
+        for req in self.queue:
+            self.pool.release(req.id)
+        self.queue.clear()
+        self._group = None
+
+    def close(self, finalize: bool = True) -> None:
+        """Finalize pending saves (if ``finalize``), stop the writer, unlink staging memory."""
+        try:
+            if finalize and self.queue:
+                self.wait()
+        finally:
+            if not finalize:
+                self.abort()
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(finalize=exc_type is None)
+
+
+def _release(writer: WriterProcess, pool: ArenaPool) -> None:
+    writer.stop(grace_s=2.0)
+    pool.close()

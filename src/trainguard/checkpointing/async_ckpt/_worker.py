@@ -1,0 +1,227 @@
+"""The persistent writer process (one per trainer rank, started with ``spawn``).
+
+Loop: receive a JSON request header plus the pickled skeleton, map the staging arena, write the
+file(s) atomically (tmp -> fsync -> rename -> dir fsync) with xxh3 checksums, reply with a JSON
+record. Errors are replied as JSON records (errno, file, message), never as pickles. The worker
+exits when asked, when its pipe closes, or when its parent dies.
+
+Fault injection (test seam): a request may carry ``fault`` = {"phase", "action", "errno"}; phases
+are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls) and ``reply``
+(after the files are durable, before replying); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import json
+import os
+import pickle
+import signal
+import time
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["worker_main"]
+
+_OS_CALLS = {"write": "write", "fsync": "fsync", "replace": "replace"}
+
+
+def _act(action: str, err: int) -> None:
+    if action == "exit":
+        os._exit(17)
+    if action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        while True:
+            time.sleep(3600)
+    if action == "errno":
+        raise OSError(err, os.strerror(err))
+
+
+@contextmanager
+def _patched(fault: dict[str, Any] | None):
+    """Patch os.write/os.fsync/os.replace to fire ``fault`` on its first call."""
+    phase = (fault or {}).get("phase")
+    if phase not in _OS_CALLS:
+        yield
+        return
+    name = _OS_CALLS[phase]
+    original = getattr(os, name)
+
+    def faulty(*args, **kwargs):
+        _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        return original(*args, **kwargs)
+
+    setattr(os, name, faulty)
+    try:
+        yield
+    finally:
+        setattr(os, name, original)
+
+
+def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int) -> dict:
+    import torch
+
+    f = storage.open_atomic(f"{rel_dir}/{name}" if rel_dir else name)
+    try:
+        torch.save(obj, f)
+        size, digest = f.commit()
+    except BaseException:
+        f.abort()
+        raise
+    return {name: {"size": size, "xxh3": digest, "rank": rank}}
+
+
+def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]:
+    """Write this rank's items in DCP's file format; return file info and (plan, results)."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(obj, is_coordinator=rank == 0)
+    plan = planner.create_local_plan()
+    name = f"__{rank}_0.distcp"
+    f = storage.open_atomic(f"{rel_dir}/{name}")
+    results = []
+    try:
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            offset = f.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                f.write(data.getbuffer())
+            else:
+                torch.save(data, f)
+            length = f.tell() - offset
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(name, offset, length)))
+        size, digest = f.commit()
+    except BaseException:
+        f.abort()
+        raise
+    return {name: {"size": size, "xxh3": digest, "rank": rank}}, pickle.dumps((plan, results))
+
+
+class _Worker:
+    def __init__(self, conn, parent_pid: int) -> None:
+        import socket
+
+        self.conn, self.parent_pid = conn, parent_pid
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.maps: dict[str, Any] = {}
+        self.storages: dict[str, Any] = {}
+
+    def receive_arena(self, name: str) -> None:
+        import socket
+
+        from trainguard.checkpointing._staging import open_mapping
+
+        _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+        if not fds:
+            raise ConnectionError("arena descriptor expected from the trainer")
+        self.release(name)
+        self.maps[name] = open_mapping(fds[0])
+
+    def storage(self, url: str):
+        from trainguard.checkpointing.storage import storage_for
+
+        if url not in self.storages:
+            self.storages[url] = storage_for(url)
+        return self.storages[url]
+
+    def release(self, path: str) -> None:
+        mm = self.maps.pop(path, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # tensors of the last request still alive; GC frees them
+                pass
+
+    def save(self, req: dict[str, Any]) -> tuple[dict, bytes | None]:
+        from trainguard.checkpointing._staging import TensorSlot, rebuild
+
+        fault = req.get("fault")
+        if fault and fault["phase"] == "recv":
+            _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        mm = self.maps[req["arena"]]
+        offset, length = req["trailer"]
+        raw_slots, skeleton = pickle.loads(mm[offset : offset + length])
+        obj = rebuild(skeleton, mm, [TensorSlot.from_json(s) for s in raw_slots])
+        storage = self.storage(req["storage"])
+        if req["dir"]:
+            storage.makedirs(req["dir"])
+        extra = None
+        with _patched(fault):
+            if req["kind"] == "dcp":
+                files, extra = _write_dcp(storage, req["dir"], obj, req["rank"])
+            else:
+                files = _write_torch(storage, req["dir"], req["file"], obj, req["rank"])
+        del obj
+        if fault and fault["phase"] == "reply":
+            _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        return {"id": req["id"], "ok": True, "files": files}, extra
+
+    def handle(self, req: dict[str, Any]) -> bool:
+        if req["op"] == "exit":
+            return False
+        if req["op"] == "release":
+            self.release(req["arena"])
+            return True
+        if req.get("arena_fd"):
+            self.receive_arena(req["arena"])
+        t0 = time.monotonic()
+        try:
+            reply, extra = self.save(req)
+        except Exception as exc:  # every write failure goes back to the trainer as a record
+            reply, extra = {
+                "id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                "errno": getattr(exc, "errno", None), "file": getattr(exc, "filename", None),
+            }, None
+        reply["write_s"] = time.monotonic() - t0
+        reply["has_extra"] = extra is not None
+        try:
+            self.conn.send_bytes(json.dumps(reply).encode())
+            if extra is not None:
+                self.conn.send_bytes(extra)
+        except OSError:  # the trainer is gone (crash or abort): nobody to report to
+            return False
+        return True
+
+    def run(self) -> None:
+        while True:
+            if not self.conn.poll(1.0):
+                if os.getppid() != self.parent_pid:
+                    return  # orphaned: the trainer died
+                continue
+            try:
+                req = json.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if not self.handle(req):
+                return
+
+
+def worker_main(conn, parent_pid: int, rank: int) -> None:
+    """Entry point of the writer process (runs until told to exit or orphaned)."""
+    os.environ["RANK"] = str(rank)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
+    try:
+        os.nice(5)  # writing must not starve the trainer's threads
+    except OSError:
+        pass
+    worker = _Worker(conn, parent_pid)
+    try:
+        worker.run()
+    finally:
+        for path in list(worker.maps):
+            worker.release(path)
+
+
+if __name__ == "__main__":
+    import multiprocessing.connection
+    import sys
+
+    worker_main(multiprocessing.connection.Connection(int(sys.argv[1])), int(sys.argv[2]),
+                int(sys.argv[3]))

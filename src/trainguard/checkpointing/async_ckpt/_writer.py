@@ -1,0 +1,183 @@
+"""Trainer-side handle of the persistent writer process, and the pool of staging arenas."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.connection
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from trainguard._core.logging import get_logger
+from trainguard._core.procs import describe_exit, terminate_processes
+from trainguard.checkpointing._staging import Arena
+
+__all__ = ["ArenaPool", "WriterDied", "WriterProcess"]
+
+_log = get_logger("trainguard.checkpointing")
+
+
+class WriterDied(Exception):
+    """Internal: the writer process is gone (its exit is described in the message)."""
+
+
+class WriterProcess:
+    """One persistent ``spawn``-ed writer for this rank; restarted lazily after a death or kill."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.proc: Any = None
+        self.conn: Any = None
+        self.pidfd: int | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ensure_started(self) -> None:
+        """Start the writer if it is not running (returns at once; the child imports torch).
+
+        The writer is ``python -m ...async_ckpt._worker`` (a fresh interpreter like ``spawn``, but
+        without re-running the trainer's ``__main__``), talking over a socketpair.
+        """
+        if self.alive():
+            return
+        self.stop(grace_s=0.0)
+        parent, child = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainguard.checkpointing.async_ckpt._worker",
+                 str(child.fileno()), str(os.getpid()), str(self.rank)],
+                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.proc = proc
+        self.pidfd = os.pidfd_open(proc.pid)
+        self.sock = parent
+        self.conn = multiprocessing.connection.Connection(os.dup(parent.fileno()))
+        self.sent_arenas: set[str] = set()
+        self.starts += 1
+        _log.debug("started checkpoint writer pid %d", proc.pid)
+
+    def describe(self) -> str:
+        if self.proc is None:
+            return "writer not started"
+        return f"writer pid {self.proc.pid} ({describe_exit(self.proc.poll())})"
+
+    def send(self, header: dict[str, Any], payload: bytes | None = None,
+             arena: Arena | None = None) -> None:
+        """Send one request (plus the arena's fd the first time). Raises WriterDied if broken."""
+        try:
+            new = arena is not None and arena.name not in self.sent_arenas
+            self.conn.send_bytes(json.dumps({**header, "arena_fd": new}).encode())
+            if new:
+                socket.send_fds(self.sock, [b"F"], [arena.fd])
+                self.sent_arenas.add(arena.name)
+            if payload is not None:
+                self.conn.send_bytes(payload)
+        except (OSError, ValueError, AttributeError) as exc:
+            raise WriterDied(f"cannot reach {self.describe()}: {exc}") from exc
+
+    def recv(self, timeout_s: float) -> tuple[dict[str, Any], bytes | None] | None:
+        """One reply within ``timeout_s`` seconds, or None. Raises WriterDied when it is dead."""
+        if self.proc is None:
+            raise WriterDied("writer not started")
+        ready = multiprocessing.connection.wait([self.conn, self.pidfd], timeout_s)
+        if self.conn in ready:
+            try:
+                reply = json.loads(self.conn.recv_bytes())
+                extra = self.conn.recv_bytes() if reply.get("has_extra") else None
+                return reply, extra
+            except (EOFError, OSError) as exc:
+                self._reap()
+                raise WriterDied(f"{self.describe()} died (pipe closed{': ' + str(exc) if str(exc) else ''})") from exc
+        if self.pidfd in ready:
+            self._reap()
+            raise WriterDied(self.describe())
+        return None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Ask the writer to exit, then SIGTERM -> SIGKILL after ``grace_s``; reaps it."""
+        if self.proc is None:
+            return
+        if grace_s > 0 and self.alive():
+            try:
+                self.conn.send_bytes(json.dumps({"op": "exit"}).encode())
+                self.proc.wait(grace_s)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+        terminate_processes([self.proc], grace_s=min(grace_s, 2.0))
+        self._close_handles()
+
+    def kill(self) -> None:
+        """SIGKILL and reap now (abort path)."""
+        if self.proc is None:
+            return
+        import signal
+
+        terminate_processes([self.proc], grace_s=0.5, first_signal=signal.SIGKILL)
+        self._close_handles()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            terminate_processes([self.proc], grace_s=0.5)
+
+    def _close_handles(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.sock.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        self.proc, self.conn, self.pidfd = None, None, None
+
+
+class ArenaPool:
+    """At most ``max_arenas`` reusable arenas; host memory stays bounded by max_arenas x state size."""
+
+    def __init__(self, max_arenas: int) -> None:
+        self.max_arenas = max_arenas
+        self.free: list[Arena] = []
+        self.busy: dict[int, Arena] = {}
+
+    def count(self) -> int:
+        return len(self.free) + len(self.busy)
+
+    def can_acquire(self) -> bool:
+        return bool(self.free) or self.count() < self.max_arenas
+
+    def acquire(self, nbytes: int, req_id: int, on_retire) -> Arena:
+        """A free arena of >= ``nbytes`` (grown if needed); ``on_retire(arena)`` before unlinking."""
+        fitting = [a for a in self.free if a.capacity >= nbytes]
+        if fitting:
+            arena = fitting[0]
+            self.free.remove(arena)
+        else:
+            if self.free:  # too small: replace it so the pool does not grow past max_arenas
+                old = self.free.pop(0)
+                on_retire(old)
+                old.close()
+            arena = Arena(int(nbytes * 1.05) + 4096)
+        self.busy[req_id] = arena
+        return arena
+
+    def release(self, req_id: int) -> None:
+        arena = self.busy.pop(req_id, None)
+        if arena is not None:
+            self.free.append(arena)
+
+    def close(self) -> None:
+        for arena in [*self.free, *self.busy.values()]:
+            arena.close()
+        self.free, self.busy = [], {}

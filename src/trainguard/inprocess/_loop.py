@@ -1,0 +1,297 @@
+"""The restart loop of one wrapped call, as named phases (see ``Runtime.run``).
+
+Protocol per iteration ``i`` (keys from :mod:`._coord`, barriers keyed by initial rank):
+
+1. ``begin``: export RANK/WORLD_SIZE, publish membership, arm the interrupt, start the monitor
+   thread, reset progress stamps.
+2. ``body``: ``initialize`` -> ``health_check`` -> ``fn`` (active ranks) -> completion barrier
+   (reserve ranks arrive at once and wait there for the active ranks).
+3. an ``Exception`` -> ``on_fault``: record it; the monitor thread interrupts every rank.
+4. ``RankShouldRestart`` -> ``restart``: ``finalize`` -> restart health check -> iteration
+   barrier -> rank assignment -> ``advance``.
+5. any ``BaseException`` escaping 2-4 -> ``exit_path``: record the departure, mark terminated,
+   arrive at the barrier for ourselves, run ``terminate``, re-raise.
+
+Follows: NVRx ``CallWrapper.__call__``, split into phases with an outcome enum.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from trainguard._core.logging import get_logger
+from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier, wait_key
+from trainguard.inprocess import _coord as co
+from trainguard.inprocess import _transport
+from trainguard.inprocess._monitor_thread import Interrupter, MonitorThread, RestartInfo
+from trainguard.inprocess._watchdog import Phase
+from trainguard.inprocess.exceptions import (
+    BarrierTimeout,
+    HealthCheckError,
+    InternalError,
+    RankShouldRestart,
+)
+from trainguard.inprocess.state import Mode, State
+
+__all__ = ["Outcome", "assignment_ctx"]
+
+log = get_logger("trainguard.inprocess")
+
+
+class Outcome(enum.Enum):
+    """Result of one iteration."""
+
+    COMPLETED = enum.auto()  # the completion barrier passed: leave the loop
+    RESTART = enum.auto()  # interrupted and reassigned: run the next iteration
+
+
+def assignment_ctx(state: State, store: dist.Store, terminated: set[int]) -> Any:
+    from trainguard.inprocess.rank_assignment import RankAssignmentCtx
+
+    return RankAssignmentCtx(state, store, terminated)
+
+
+class LoopMixin:
+    """Phases of the restart loop; mixed into ``wrap._Runtime`` (which owns the resources)."""
+
+    # Provided by the runtime:
+    cfg: Any
+    fn: Callable
+    state: State
+    store: dist.Store
+    keys: co.Keys
+    block: Any
+    interrupter: Interrupter
+    atomic_lock: threading.RLock
+    records: list
+    call_wrapper: Any
+
+    # -- iteration ---------------------------------------------------------------------------
+    def iterate(self, args: tuple, kwargs: dict) -> Outcome:
+        mt = self.begin()
+        try:
+            try:
+                self.ret = self.body(args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - every Exception is a fault: restart
+                self.on_fault(exc)
+            if mt.stop():
+                self.absorb_interrupt()
+            return Outcome.COMPLETED
+        except RankShouldRestart:
+            self.interrupter.acknowledge()
+            if self.completion_done():  # completed everywhere; a late interrupt is moot
+                mt.stop()
+                return Outcome.COMPLETED
+            self.restart(mt)
+            return Outcome.RESTART
+
+    def begin(self) -> MonitorThread:
+        st, it = self.state, self.state.iteration
+        st.set_distributed_vars()
+        self.block.set("iteration", it)
+        self.block.set("rank", -1 if st.rank is None else st.rank)
+        self.block.set("world_size", st.world_size)
+        self.block.set("manual", 0.0)
+        self.block.touch()
+        self.block.set("phase", Phase.RUNNING)
+        co.publish_member(self.store, self.keys, it, st.initial_rank, st.rank)
+        self.interrupter.arm()
+        self.completed_barrier = False
+        mt = MonitorThread(
+            co.clone_store(self.store), self.keys, it, self.cfg.abort, self.state.freeze,
+            self.interrupter, self.atomic_lock, self.cfg.monitor_thread_interval_s,
+            self.cfg.last_call_wait_s, max(self.cfg.soft_timeout_s / 4, 0.05),
+        )
+        mt.start()
+        self.monitor_thread = mt
+        return mt
+
+    def body(self, args: tuple, kwargs: dict) -> Any:
+        frozen = self.state.freeze()
+        if self.cfg.initialize is not None:
+            self.cfg.initialize(frozen)
+        if self.cfg.health_check is not None:
+            try:
+                self.cfg.health_check(frozen)
+            except Exception as exc:
+                raise HealthCheckError(f"health check failed: {exc!r}") from exc
+        self.mark_reentry()
+        ret = None
+        if self.state.mode == Mode.ACTIVE:
+            from trainguard.inprocess._inject import bind_call_wrapper
+
+            a, kw = bind_call_wrapper(self.fn, type(self.call_wrapper), self.call_wrapper,
+                                      args, kwargs)
+            ret = self.fn(*a, **kw)
+        self.completion_barrier()
+        return ret
+
+    def mark_reentry(self) -> None:
+        rec = self.records[-1] if self.records else None
+        if rec is not None and rec.reentry_time is None:
+            rec.reentry_time = time.time()
+            log.info(
+                "restart %d -> %d: cause=%s ranks=%s detection=%.3f s restart=%.3f s",
+                rec.iteration, rec.iteration + 1, rec.cause, list(rec.fault_ranks),
+                rec.detection_s, rec.restart_s,
+            )
+
+    # -- completion --------------------------------------------------------------------------
+    def completion_done(self) -> bool:
+        key = self.keys.it(self.state.iteration, "completion")
+        return bool(self.store.check([f"{key}/done"]))
+
+    def completion_barrier(self) -> None:
+        st, it = self.state, self.state.iteration
+        key = self.keys.it(it, "completion")
+        arrived = reentrant_barrier(self.store, key, [st.initial_rank], st.world_size, 0.0)
+        if len(arrived) >= st.world_size:
+            self.store.set(self.keys.it(it, "event"), b"1")
+        bounded = st.mode == Mode.ACTIVE
+        deadline = time.monotonic() + self.cfg.completion_timeout_s
+        chunk = self.cfg.wait_chunk_s
+        while not self.completion_done():
+            if co.is_interrupted(self.store, self.keys, it):
+                self.wait_interrupt()
+            if bounded and time.monotonic() >= deadline:
+                got = co.read_int_set(self.store, f"{key}/ranks")
+                raise BarrierTimeout(
+                    f"completion barrier of iteration {it}: {len(got)}/{st.world_size} ranks "
+                    f"after {self.cfg.completion_timeout_s:.3f} s (arrived: {sorted(got)})"
+                )
+            wait_key(self.store, self.keys.it(it, "event"), chunk, chunk)
+            self.block.touch()
+        self.completed_barrier = True
+
+    # -- faults ------------------------------------------------------------------------------
+    def on_fault(self, exc: Exception) -> None:
+        """Record a local Exception and wait for the interrupt (raises RankShouldRestart)."""
+        self.state.fn_exception = exc
+        t = time.time()
+        it = self.state.iteration
+        secondary = co.is_comm_error(exc) or co.is_interrupted(self.store, self.keys, it)
+        rec = co.Interruption(co.Cause.EXCEPTION.value, self.state.initial_rank, t, t,
+                              repr(exc)[:300], secondary)
+        log.log(logging.DEBUG if secondary else logging.INFO,
+                "iteration %d: %r; restarting all ranks", it, exc)
+        co.record_interruption(self.store, self.keys, self.state.iteration, rec)
+        self.wait_interrupt()
+
+    def wait_interrupt(self) -> None:
+        """Keep running bytecode until the monitor thread interrupts us (bounded)."""
+        limit = (self.cfg.last_call_wait_s + self.cfg.soft_timeout_s
+                 + 2 * self.cfg.monitor_thread_interval_s)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(0.01)  # the interrupt signal cuts this sleep short
+            self.block.touch()
+        raise InternalError(f"an interruption was recorded but no restart arrived in {limit:.1f} s")
+
+    def absorb_interrupt(self) -> None:
+        """The monitor thread fired after we completed: swallow its interrupt."""
+        try:
+            deadline = time.monotonic() + 5.0
+            while not self.interrupter.claimed and time.monotonic() < deadline:
+                time.sleep(0.002)
+        except RankShouldRestart:
+            pass
+        self.interrupter.close()
+
+    # -- restart -----------------------------------------------------------------------------
+    def restart(self, mt: MonitorThread) -> None:
+        mt.stop()
+        info = mt.info or RestartInfo(co.read_interruptions(self.store, self.keys,
+                                                            self.state.iteration), time.time())
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # custom aborts may leave it; stale group would leak
+        _transport.clear()
+        frozen = self.state.freeze()
+        if self.cfg.finalize is not None:
+            self.cfg.finalize(frozen)
+        if self.cfg.health_check is not None:
+            try:
+                self.cfg.health_check(frozen)
+            except Exception as exc:
+                raise HealthCheckError(f"restart health check failed: {exc!r}") from exc
+        t_barrier = time.time()
+        self.iteration_barrier()
+        log.debug("restart: interrupted->barrier %.3f s, barrier %.3f s",
+                  t_barrier - info.interrupt_time, time.time() - t_barrier)
+        record = co.RestartRecord.from_interruptions(self.state.iteration, info.records,
+                                                     info.interrupt_time)
+        self.reassign(self.state.iteration)
+        self.records.append(record)
+        self.state.advance()
+        self.collect_garbage()
+
+    def iteration_barrier(self) -> None:
+        st, it = self.state, self.state.iteration
+        key = self.keys.it(it, "barrier")
+        try:
+            reentrant_barrier(self.store, key, [st.initial_rank], st.world_size,
+                              self.cfg.barrier_timeout_s, self.cfg.wait_chunk_s, self.block.touch)
+        except StoreBarrierTimeout as exc:
+            raise BarrierTimeout(f"iteration barrier {it}: {exc}", exc.arrived) from exc
+
+    def reassign(self, iteration: Optional[int]) -> None:
+        """Run rank assignment for the iteration after ``iteration`` (None: the first)."""
+        if iteration is None:
+            terminated: set[int] = set()
+        else:
+            dead = co.read_int_set(self.store, self.keys.it(iteration, "terminated"))
+            members = co.read_members(self.store, self.keys, iteration)
+            terminated = co.terminated_ranks(members, dead, self.state.world_size)
+        prefix = dist.PrefixStore(self.keys.assignment_prefix(iteration), self.store)
+        ctx = self.cfg.rank_assignment(assignment_ctx(self.state, prefix, terminated))
+        new = ctx.state
+        self.state = new if isinstance(new, State) else new.thaw()
+
+    @staticmethod
+    def collect_garbage() -> None:
+        # Objects of the failed attempt (tensors, groups, frames) must go now. Objects older
+        # than the call are frozen at setup (gc.freeze), so this scans only the call's own.
+        for _ in range(3):
+            if gc.collect() == 0:
+                break
+
+    # -- exit --------------------------------------------------------------------------------
+    def exit_path(self, exc: BaseException) -> None:
+        """This rank leaves: record, mark terminated, arrive for ourselves, run terminate."""
+        self.interrupter.close()
+        mt = getattr(self, "monitor_thread", None)
+        if mt is not None:
+            mt.stop()
+        cause = co.Cause.HEALTH_CHECK if isinstance(exc, HealthCheckError) else co.Cause.EXIT
+        log.info("rank %s leaves the restart loop: %r", self.state.initial_rank, exc)
+        if getattr(self, "keys", None) is not None and self.block.get("phase") == Phase.RUNNING:
+            t = time.time()
+            rec = co.Interruption(cause.value, self.state.initial_rank, t, t, repr(exc)[:300])
+            try:
+                co.report_departure(self.store, self.keys, self.state.iteration, rec,
+                                    max(self.state.world_size, 1))
+            except Exception:  # noqa: BLE001 - store gone: the monitors will notice us leave
+                log.exception("could not record this rank's departure")
+        self.block.set("phase", Phase.DONE)
+        if self.cfg.terminate is not None:
+            self.cfg.terminate(self.state.freeze())
+
+
+def env_snapshot() -> dict[str, Optional[str]]:
+    return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+
+
+def env_restore(saved: dict[str, Optional[str]]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

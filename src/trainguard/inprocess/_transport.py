@@ -1,0 +1,108 @@
+"""Process-group transport sockets, so the CPU abort can break a blocked gloo collective.
+
+gloo cannot abort a collective (its ``abort()`` and ``destroy_process_group`` leave a blocked
+``all_reduce`` blocked until gloo's own timeout), but shutting down the group's *connected* TCP
+sockets makes the blocked call raise within milliseconds. The sockets are found by comparing the
+process's TCP descriptors before and after ``init_process_group``/``new_group``
+(:func:`tracking`). Listening sockets are never touched (shutting gloo's listener aborts the
+process) and neither is any socket to the store's port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import psutil
+
+from trainguard._core.logging import get_logger
+
+__all__ = ["clear", "shutdown_tracked", "snapshot", "tracked_fds", "tracking"]
+
+_log = get_logger("trainguard.inprocess")
+_lock = threading.Lock()
+_tracked: dict[int, tuple] = {}  # fd -> (laddr, raddr) at tracking time
+_excluded_ports: set[int] = set()
+
+
+def _connections() -> dict[int, psutil._common.pconn]:
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return {}
+    return {c.fd: c for c in conns if c.fd is not None and c.fd >= 0}
+
+
+def snapshot() -> set[int]:
+    """Descriptors of this process's TCP sockets now."""
+    return set(_connections())
+
+
+def exclude_port(port: int) -> None:
+    """Never shut sockets whose local or remote port is ``port`` (the store's)."""
+    _excluded_ports.add(int(port))
+
+
+def track_new(before: set[int]) -> list[int]:
+    """Record the connected TCP sockets opened since ``before``; returns their descriptors."""
+    added = []
+    with _lock:
+        for fd, c in _connections().items():
+            if fd in before or not c.raddr or c.status == psutil.CONN_LISTEN:
+                continue
+            if c.laddr.port in _excluded_ports or c.raddr.port in _excluded_ports:
+                continue
+            _tracked[fd] = (tuple(c.laddr), tuple(c.raddr))
+            added.append(fd)
+    return added
+
+
+@contextlib.contextmanager
+def tracking() -> Iterator[None]:
+    """Track the sockets a process-group constructor opens inside the block."""
+    before = snapshot()
+    try:
+        yield
+    finally:
+        track_new(before)
+
+
+def tracked_fds() -> dict[int, tuple]:
+    with _lock:
+        return dict(_tracked)
+
+
+def shutdown_tracked() -> int:
+    """``shutdown(SHUT_RDWR)`` every tracked socket still open with the same endpoints.
+
+    Safe from any thread; descriptors are duplicated, never closed. Returns how many were shut.
+    """
+    current = _connections()
+    shut = 0
+    with _lock:
+        items = list(_tracked.items())
+    for fd, (laddr, raddr) in items:
+        c = current.get(fd)
+        if c is None or not c.raddr or (tuple(c.laddr), tuple(c.raddr)) != (laddr, raddr):
+            continue  # closed or the number was reused by another socket
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            shut += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    _log.debug("shut down %d process-group sockets", shut)
+    return shut
+
+
+def clear() -> None:
+    with _lock:
+        _tracked.clear()

@@ -1,0 +1,383 @@
+"""``Wrapper`` (the in-process restart decorator) and ``CallWrapper`` (its per-call handle).
+
+Follows: NVRx ``inprocess.Wrapper``/``CallWrapper``. Differences: default hooks are created per
+Wrapper; defaults aim at sub-second restarts; the CPU abort breaks gloo collectives; hangs in C
+calls are interrupted with a signal; the default TCPStore lives in the monitor process of initial
+rank 0 (it survives that rank's trainer); each call uses its own key namespace, so a persistent
+store serves any number of calls; restart latency is recorded per restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainguard._core.clock import as_seconds
+from trainguard._core.logging import get_logger
+from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier
+from trainguard.inprocess import _coord as co
+from trainguard.inprocess import _transport
+from trainguard.inprocess._config import DEFAULTS, Duration, WrapperConfig, validate
+from trainguard.inprocess._loop import LoopMixin, Outcome, env_restore, env_snapshot
+from trainguard.inprocess._monitor_process import MonitorConfig, MonitorProcess
+from trainguard.inprocess._monitor_thread import Interrupter
+from trainguard.inprocess._watchdog import Phase, ProgressBlock, ProgressWatchdog
+from trainguard.inprocess.abort import AbortTorchDistributed
+from trainguard.inprocess.exceptions import BarrierTimeout
+from trainguard.inprocess.state import FrozenState, Mode, State
+
+__all__ = ["CallWrapper", "RestartRecord", "Wrapper"]
+
+RestartRecord = co.RestartRecord
+log = get_logger("trainguard.inprocess")
+_DEFAULT: Any = object()
+
+
+def _default_rank_assignment() -> Callable:
+    from trainguard.inprocess.rank_assignment import default_rank_assignment
+
+    return default_rank_assignment()  # a fresh Compose(ActivateAllRanks(), ShiftRanks())
+
+
+class Wrapper:
+    """Decorator: run the wrapped function under in-process restart.
+
+    Each call of the decorated function is one *call*: ranks (``RANK``/``WORLD_SIZE`` from the
+    environment) meet at an initial barrier, then run iterations. An ``Exception`` on any rank
+    restarts every rank in-process (``iteration += 1``); a ``BaseException`` (``SystemExit``,
+    ``RestartAbort``, a failed ``finalize`` or restart health check) takes that rank out and
+    the survivors restart without it. The call returns ``fn``'s value on active ranks and
+    ``None`` on inactive (reserve) ranks.
+
+    Args (keyword-only; durations are ``timedelta`` or float seconds):
+        store_factory: ``store_factory(**store_kwargs)`` gives the coordination store (must be
+            reachable from another process: TCPStore, FileStore). Default: a TCPStore hosted
+            by the monitor process of initial rank 0 at ``store_kwargs['host']`` or
+            ``MASTER_ADDR`` (else 127.0.0.1), port ``store_kwargs['port']``, else env
+            ``TRAINGUARD_STORE_PORT``, else ``MASTER_PORT + 1``.
+        store_kwargs: arguments of the factory (default store: host, port, timeout).
+        initialize: hook run at the start of every iteration.
+        abort: hook run in the monitor thread when a restart begins. Default: a new
+            :class:`AbortTorchDistributed` (breaks gloo sockets / aborts NCCL, destroys groups).
+        finalize: hook run after a fault, before the restart health check; raising exits.
+        health_check: hook run before ``fn`` each iteration (raising restarts) and after a
+            fault (raising exits).
+        rank_assignment: default ``Compose(ActivateAllRanks(), ShiftRanks())`` (new instances).
+        completion: hook run after success (errors logged). terminate: hook run when this rank
+            leaves through a BaseException (errors propagate).
+        monitor_thread_interval: wait chunk of the monitor thread (0.5 s).
+        monitor_process_interval: deadline-check cadence of the monitor process (0.1 s).
+        heartbeat_interval / heartbeat_timeout: sibling heartbeat (1 s / 30 s).
+        progress_watchdog_interval: automatic heartbeat cadence (0.1 s).
+        soft_timeout: no progress -> interrupt and restart (60 s).
+        hard_timeout: no progress -> kill the rank (SIGCONT, SIGTERM, grace, SIGKILL) (90 s).
+        barrier_timeout: initial/iteration/termination barriers (120 s).
+        completion_timeout: completion barrier after ``fn`` returns (120 s).
+        last_call_wait: time to collect concurrent faults before aborting (0.05 s).
+        termination_grace_time: SIGTERM -> SIGKILL gap on a hard timeout (5 s).
+        monitor_process_logfile / monitor_process_pidfile: absolute paths; ``{rank}`` becomes
+            the initial rank.
+        enabled: False returns ``fn`` unchanged.
+
+    Raises:
+        TypeError: a value of the wrong type.
+        ConfigError (ValueError): violated timing invariants (soft < hard < barrier;
+            heartbeat_interval < heartbeat_timeout < barrier; monitor_process_interval <
+            min(barrier, heartbeat_timeout, soft); monitor_thread_interval and
+            progress_watchdog_interval < soft), relative paths.
+    """
+
+    def __init__(
+        self,
+        *,
+        store_factory: Optional[Callable[..., dist.Store]] = None,
+        store_kwargs: Optional[Mapping[str, Any]] = None,
+        initialize: Optional[Callable] = None,
+        abort: Optional[Callable] = _DEFAULT,
+        finalize: Optional[Callable] = None,
+        health_check: Optional[Callable] = None,
+        rank_assignment: Callable = _DEFAULT,
+        completion: Optional[Callable] = None,
+        terminate: Optional[Callable] = None,
+        monitor_thread_interval: Duration = DEFAULTS["monitor_thread_interval"],
+        monitor_process_interval: Duration = DEFAULTS["monitor_process_interval"],
+        heartbeat_interval: Duration = DEFAULTS["heartbeat_interval"],
+        progress_watchdog_interval: Duration = DEFAULTS["progress_watchdog_interval"],
+        soft_timeout: Duration = DEFAULTS["soft_timeout"],
+        hard_timeout: Duration = DEFAULTS["hard_timeout"],
+        heartbeat_timeout: Duration = DEFAULTS["heartbeat_timeout"],
+        barrier_timeout: Duration = DEFAULTS["barrier_timeout"],
+        completion_timeout: Duration = DEFAULTS["completion_timeout"],
+        last_call_wait: Duration = DEFAULTS["last_call_wait"],
+        termination_grace_time: Duration = DEFAULTS["termination_grace_time"],
+        monitor_process_logfile: Optional[str] = None,
+        monitor_process_pidfile: Optional[str] = None,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"Wrapper: enabled must be a bool, got {enabled!r}")
+        self.enabled = enabled
+        durations = dict(
+            monitor_thread_interval=monitor_thread_interval,
+            monitor_process_interval=monitor_process_interval,
+            heartbeat_interval=heartbeat_interval,
+            progress_watchdog_interval=progress_watchdog_interval,
+            soft_timeout=soft_timeout, hard_timeout=hard_timeout,
+            heartbeat_timeout=heartbeat_timeout, barrier_timeout=barrier_timeout,
+            completion_timeout=completion_timeout, last_call_wait=last_call_wait,
+            termination_grace_time=termination_grace_time,
+        )
+        hooks = dict(
+            initialize=initialize,
+            abort=AbortTorchDistributed() if abort is _DEFAULT else abort,
+            finalize=finalize, health_check=health_check,
+            rank_assignment=(_default_rank_assignment() if rank_assignment is _DEFAULT
+                             else rank_assignment),
+            completion=completion, terminate=terminate,
+        )
+        self.config: WrapperConfig = validate(
+            durations, hooks, store_factory, store_kwargs,
+            monitor_process_logfile, monitor_process_pidfile,
+        )
+
+    def __call__(self, fn: Callable) -> Callable:
+        if not self.enabled:
+            return fn
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return _Runtime(self.config, fn).run(args, kwargs)
+
+        return wrapped
+
+
+class CallWrapper:
+    """Handle of one wrapped call, injected into ``fn`` (parameters annotated with it).
+
+    Used from the main thread inside ``fn``.
+    """
+
+    def __init__(self, runtime: _Runtime) -> None:
+        self._rt = runtime
+
+    @property
+    def iteration(self) -> int:
+        """Restart index of the running attempt (0 on the first attempt of each call)."""
+        return self._rt.state.iteration
+
+    @property
+    def state(self) -> FrozenState:
+        return self._rt.state.freeze()
+
+    @property
+    def store(self) -> dist.Store:
+        """The call's base coordination store."""
+        return self._rt.store
+
+    @property
+    def process_group_store(self) -> dist.PrefixStore:
+        """A store namespaced to this call and iteration, for ``init_process_group``."""
+        return dist.PrefixStore(self._rt.keys.pg_prefix(self.iteration), self._rt.store)
+
+    @property
+    def restart_records(self) -> list[RestartRecord]:
+        """One :class:`RestartRecord` per restart so far in this call (oldest first)."""
+        return list(self._rt.records)
+
+    @property
+    def last_restart(self) -> Optional[RestartRecord]:
+        return self._rt.records[-1] if self._rt.records else None
+
+    def ping(self) -> None:
+        """Manual heartbeat; the first ping of an iteration arms the manual deadline."""
+        self._rt.block.set("manual", time.monotonic())
+
+    def atomic(self) -> threading.RLock:
+        """Re-entrant lock: a restart interrupt is not raised while the main thread holds it.
+
+        Use as ``with call_wrapper.atomic(): ...`` around e.g. a checkpoint write.
+        """
+        return self._rt.atomic_lock
+
+    @contextlib.contextmanager
+    def disable_hang_protection(self) -> Iterator[None]:
+        """No soft/hard timeout inside the block (exceptions still restart); nestable."""
+        block = self._rt.block
+        block.set("disabled", block.get("disabled") + 1)
+        try:
+            yield
+        finally:
+            block.touch()
+            if block.get("manual") > 0:
+                block.set("manual", time.monotonic())
+            block.set("disabled", max(block.get("disabled") - 1, 0))
+
+    @contextlib.contextmanager
+    def tracking_process_group(self) -> Iterator[None]:
+        """Track the sockets of process groups made inside (``new_group``) for the CPU abort."""
+        with _transport.tracking():
+            yield
+
+    def init_process_group(
+        self, backend: Optional[str] = None, timeout: Optional[Duration] = None, **kwargs: Any
+    ) -> None:
+        """``init_process_group`` for this iteration: rank/world size = active rank/size.
+
+        Backend ``nccl`` if CUDA is available else ``gloo``; the store is
+        :attr:`process_group_store`; ``timeout`` defaults to ``barrier_timeout``. The group's
+        sockets are tracked so the default abort can break a blocked gloo collective.
+
+        Raises:
+            RuntimeError: called on an inactive (reserve) rank.
+        """
+        st = self._rt.state
+        if st.active_rank is None or st.active_world_size is None:
+            raise RuntimeError("init_process_group on an inactive rank (it runs no fn)")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        timeout_s = self._rt.cfg.barrier_timeout_s if timeout is None else as_seconds(timeout)
+        with _transport.tracking():
+            dist.init_process_group(
+                backend, store=self.process_group_store, rank=st.active_rank,
+                world_size=st.active_world_size, timeout=timedelta(seconds=timeout_s), **kwargs,
+            )
+
+
+class _Runtime(LoopMixin):
+    """Resources and phases of one call (owned by the calling thread)."""
+
+    def __init__(self, cfg: WrapperConfig, fn: Callable) -> None:
+        self.cfg, self.fn = cfg, fn
+        self.call_wrapper = CallWrapper(self)
+        self.records: list[RestartRecord] = []
+        self.atomic_lock = threading.RLock()
+        self.interrupter = Interrupter()
+        self.block = ProgressBlock()
+        self.keys: Optional[co.Keys] = None
+        self.monitor: Optional[MonitorProcess] = None
+        self.watchdog: Optional[ProgressWatchdog] = None
+        self.monitor_thread = None
+        self.ret: Any = None
+        self.hosting = False
+        self.frozen_gc = False
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        saved = env_snapshot()
+        try:
+            self.setup()
+            while self.iterate(args, kwargs) is Outcome.RESTART:
+                pass
+        except BaseException as exc:
+            if self.keys is not None:
+                self.exit_path(exc)
+            raise
+        finally:
+            self.shutdown()
+            env_restore(saved)
+        self.run_completion()
+        return self.ret if self.state.mode == Mode.ACTIVE else None
+
+    def setup(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is already initialised when entering the in-process restart "
+                "wrapper; create the process group inside the wrapped function (e.g. with "
+                "CallWrapper.init_process_group())"
+            )
+        self.state = State.from_env()
+        gc.freeze()  # keeps restart-time gc.collect() to the call's own objects
+        self.frozen_gc = True
+        store_fn, base, port = self._store_source()
+        _transport.clear()
+        if port is not None:
+            _transport.exclude_port(port)
+        self.monitor = MonitorProcess(self._monitor_config(), self.block, store_fn)
+        self.monitor.wait_ready(self.cfg.barrier_timeout_s)
+        self.store = base if base is not None else store_fn()
+        call_id = self.store.add(co.Keys.call_counter(self.state.initial_rank), 1)
+        self.monitor.send(op="start", call=call_id)
+        self.watchdog = ProgressWatchdog(self.block, self.cfg.progress_watchdog_interval_s)
+        self.watchdog.start()
+        self.interrupter.install()
+        self.keys = co.Keys(call_id)
+        self._initial_barrier()
+        self.reassign(None)
+
+    def _store_source(self) -> tuple[Callable[[], dist.Store], Optional[dist.Store], Optional[int]]:
+        cfg = self.cfg
+        if cfg.store_factory is None:
+            addr = co.resolve_store_address(cfg.store_kwargs, self.state.initial_world_size)
+            self.hosting = self.state.initial_rank == 0
+            self._host_addr = addr if self.hosting else None
+            return (lambda: co.default_store(addr, False)), None, addr.port
+        base = cfg.store_factory(**cfg.store_kwargs)
+        self._host_addr = None
+        return (lambda: co.clone_store(base)), base, getattr(base, "port", None)
+
+    def _monitor_config(self) -> MonitorConfig:
+        c, r = self.cfg, self.state.initial_rank
+
+        def fill(path: Optional[str]) -> Optional[str]:
+            return None if path is None else path.replace("{rank}", str(r))
+
+        return MonitorConfig(
+            initial_rank=r, initial_world_size=self.state.initial_world_size,
+            interval_s=c.monitor_process_interval_s, soft_s=c.soft_timeout_s,
+            hard_s=c.hard_timeout_s, heartbeat_interval_s=c.heartbeat_interval_s,
+            heartbeat_timeout_s=c.heartbeat_timeout_s, barrier_timeout_s=c.barrier_timeout_s,
+            grace_s=c.termination_grace_time_s, collective_grace_s=c.collective_grace_s,
+            watchdog_interval_s=c.progress_watchdog_interval_s,
+            logfile=fill(c.monitor_process_logfile), pidfile=fill(c.monitor_process_pidfile),
+            host=self._host_addr,
+        )
+
+    def _initial_barrier(self) -> None:
+        st = self.state
+        try:
+            reentrant_barrier(self.store, self.keys.init_barrier, [st.initial_rank],
+                              st.initial_world_size, self.cfg.barrier_timeout_s,
+                              self.cfg.wait_chunk_s, self.block.touch)
+        except StoreBarrierTimeout as exc:
+            got = exc.arrived or set()
+            missing = sorted(set(range(st.initial_world_size)) - set(got))
+            raise BarrierTimeout(
+                f"initial barrier: ranks {missing} of WORLD_SIZE={st.initial_world_size} did not "
+                f"arrive within {self.cfg.barrier_timeout_s:.1f} s (check that every rank runs "
+                "the wrapped function with the same store address)", got,
+            ) from exc
+
+    def run_completion(self) -> None:
+        if self.cfg.completion is not None:
+            try:
+                self.cfg.completion(self.state.freeze())
+            except Exception:  # noqa: BLE001 - completion errors are logged only
+                log.exception("completion hook failed")
+
+    def shutdown(self) -> None:
+        """Stop threads, arrive at the termination barrier, stop and reap the monitor."""
+        self.interrupter.restore()
+        if self.monitor_thread is not None:
+            self.monitor_thread.close(0.05)
+        if self.watchdog is not None:
+            self.watchdog.close()
+        self.block.set("phase", Phase.DONE)
+        if self.keys is not None:
+            try:
+                reentrant_barrier(self.store, self.keys.term_barrier, [self.state.initial_rank],
+                                  self.state.initial_world_size, 0.0)
+            except Exception:  # noqa: BLE001 - store gone; the monitors cover for us
+                log.debug("termination barrier arrival failed", exc_info=True)
+        if self.monitor is not None:
+            wait_s = self.cfg.barrier_timeout_s + 5.0 if self.hosting else 5.0
+            self.monitor.stop(wait_s)
+        _transport.clear()
+        if self.frozen_gc:
+            gc.unfreeze()

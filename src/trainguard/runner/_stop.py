@@ -1,0 +1,65 @@
+"""Ending rank processes: cooperative exit, then SIGTERM -> grace -> SIGKILL of each rank's group.
+
+Each rank leads its own process group (pgid == its pid), so signalling the group also reaches
+grandchildren (DataLoader workers, helpers). Ranks are reaped only at the very end, through
+``_core.procs``: until then an exited rank is a zombie, its pid cannot be reused, and signalling
+its group cannot hit an unrelated process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from trainguard._core.clock import Deadline
+from trainguard._core.ipc import send_frame
+from trainguard._core.procs import terminate_processes
+from trainguard.runner._child import SHUTDOWN
+
+__all__ = ["stop_ranks"]
+
+_TERM_GRACE_S = 5.0
+
+
+def _wait_exited(procs: Sequence[Any], timeout_s: float) -> None:
+    """Block until every started proc's sentinel fires or ``timeout_s`` passes (no reaping)."""
+    deadline = Deadline(timeout_s)
+    waiting = {p.sentinel: p for p in procs if p.pid is not None}
+    while waiting and not deadline.expired():
+        for sentinel in multiprocessing.connection.wait(list(waiting), deadline.remaining()):
+            waiting.pop(sentinel, None)
+
+
+def _signal_groups(procs: Sequence[Any], sig: int) -> None:
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, sig)  # before setpgid() the rank is still in our group
+
+
+def stop_ranks(procs: Sequence[Any], inboxes: Sequence[int], grace_s: float = 10.0) -> None:
+    """Stop and reap every rank; blocks at most ``grace_s`` + ~12 s.
+
+    Args:
+        procs: the rank processes (some may never have started).
+        inboxes: inbox fds to send a cooperative SHUTDOWN to; empty when the runner is unusable
+            (survivors could be blocked in a collective and would never read it).
+        grace_s: how long cooperative exit may take (seconds).
+    """
+    if inboxes:
+        for fd in inboxes:
+            with contextlib.suppress(OSError):
+                send_frame(fd, SHUTDOWN)
+        _wait_exited(procs, grace_s)
+    _signal_groups(procs, signal.SIGCONT)  # a SIGSTOPped rank must be able to act on SIGTERM
+    _signal_groups(procs, signal.SIGTERM)
+    _wait_exited(procs, _TERM_GRACE_S)
+    _signal_groups(procs, signal.SIGKILL)  # survivors and grandchildren
+    terminate_processes([p for p in procs if p.pid is not None], grace_s=1.0)

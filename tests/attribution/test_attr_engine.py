@@ -1,0 +1,140 @@
+"""Log engine: bad input, formats beyond the labelled set, streaming and line numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.attribution import AttributionError, LogInputError, analyze_logs
+from trainguard.attribution._registry import parse_registry
+
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def test_empty_log_is_a_clear_error(write_log):
+    with pytest.raises(LogInputError, match="empty"):
+        analyze_logs([write_log("")])
+
+
+def test_empty_log_among_others_is_a_warning(write_log):
+    res = analyze_logs([write_log("", "a.log"), write_log(f"[rank1]: {OOM}\n", "b.log")])
+    assert res.primary_category == "cuda_oom" and res.culprit_ranks == [1]
+    assert any("empty" in w for w in res.warnings)
+
+
+def test_binary_log_rejected(write_log):
+    with pytest.raises(LogInputError, match="binary"):
+        analyze_logs([write_log(b"\x7fELF\x00\x00\x01" * 100)])
+
+
+def test_missing_and_directory_paths(tmp_path):
+    with pytest.raises(LogInputError, match="cannot read"):
+        analyze_logs([tmp_path / "nope.log"])
+    with pytest.raises(LogInputError, match="directory"):
+        analyze_logs([tmp_path])
+    with pytest.raises(LogInputError, match="no log files"):
+        analyze_logs([])
+
+
+def test_non_utf8_and_truncated_last_line(write_log):
+    data = b"step=10 loss=1.0\n" + b"[rank3]: " + OOM.encode() + b" caf\xe9"  # no final newline
+    res = analyze_logs([write_log(data)])
+    assert res.primary_category == "cuda_oom" and res.culprit_ranks == [3]
+    assert res.evidence[0].line == 2
+    assert any("UTF-8" in w for w in res.warnings)
+
+
+def test_huge_line_does_not_hide_the_failure(write_log):
+    data = "x" * (3 << 20) + "\n" + "OSError: [Errno 28] No space left on device\n"
+    res = analyze_logs([write_log(data)])
+    assert res.primary_category == "storage_full"
+    assert res.evidence[0].line == 2
+
+
+def test_line_numbers_stable_across_chunks(write_log):
+    filler = "".join(f"[rank0]: iteration {i:6d}/ 100000 | lm loss: 2.0\n" for i in range(60000))
+    data = filler + f"[rank5]: {OOM}\n"
+    res = analyze_logs([write_log(data)])
+    assert len(data) > 2 << 20  # several chunks
+    assert res.evidence[0].line == 60001
+    assert res.culprit_ranks == [5]
+    assert res.last_step == 59999
+
+
+@pytest.mark.parametrize("text,category,ranks,nodes,decision", [
+    # dmesg / syslog Xid 79 on a named node
+    (("Mar  3 10:00:01 gpu-node-07 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, "
+     "GPU has fallen off the bus.\n"), "gpu_hardware", None, ["gpu-node-07"],
+     "RESTART_EXCLUDE_NODES"),
+    # node-prefixed native crash
+    ("[node-03] step=120 loss=2.1\n[node-03] Fatal Python error: Segmentation fault\n",
+     "framework_crash", None, None, "RESTART"),
+    # a bare "Killed" is not an OOM; only a launcher record remains
+    ("step=5\nKilled\nsrun: error: node-02: task 3: Exited with exit code 1\n", "unknown", None,
+     None, "RESTART"),
+    # SIGKILL exit with no Python error -> host OOM
+    (("E0101 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -9) "
+     "local_rank: 2 (pid: 77) of binary: python\n"), "host_oom", None, None, "STOP"),
+    ("train.py: error: unrecognized arguments: --lr-warmup 10\n", "config_error", None, None,
+     "STOP"),
+    ("[rank0]: FileNotFoundError: [Errno 2] No such file or directory: '/data/x.bin'\n",
+     "missing_path", [0], None, "STOP"),
+    ("[rank1]: PermissionError: [Errno 13] Permission denied: '/ckpt/step_10'\n",
+     "permission_denied", [1], None, "STOP"),
+    (("[rank0]: RuntimeError: PytorchStreamReader failed reading zip archive: failed finding "
+     "central directory\n"), "checkpoint_error", [0], None, "STOP"),
+    ("[rank2]: ValueError: Loss is nan, stopping training\n", "nan_or_inf", [2], None, "STOP"),
+    ("slurmstepd: error: *** JOB 77 ON node-01 CANCELLED AT 2024-01-01T00:00:00 ***\n",
+     "user_cancelled", None, None, "STOP"),
+    (("slurmstepd: error: *** JOB 77 ON node-04 CANCELLED AT 2024-01-01T00:00:00 DUE TO NODE "
+     "FAILURE ***\n"), "node_failure", None, ["node-04"], "RESTART_EXCLUDE_NODES"),
+    (("[default1]:torch.distributed.DistNetworkError: The client socket has failed to connect "
+     "to [node-01]:29500\n"), "network", [1], None, "RESTART"),
+])
+def test_formats_beyond_the_labelled_set(write_log, text, category, ranks, nodes, decision):
+    res = analyze_logs([write_log(text)])
+    assert (res.primary_category, res.culprit_ranks, res.culprit_nodes, res.decision) == (
+        category, ranks, nodes, decision), res.reason
+
+
+def test_laggard_rank_named_for_collective_timeout(write_log):
+    lines = [f"[rank{r}]:[E ProcessGroupNCCL.cpp:1537] [PG 0 Rank {r}] Timeout at NCCL work: 90, "
+             f"last enqueued NCCL work: {91 if r != 3 else 89}, last completed NCCL work: 89.\n"
+             for r in range(4)]
+    res = analyze_logs([write_log("".join(lines))])
+    assert res.primary_category == "collective_timeout" and res.failure_domain == "unknown"
+    assert res.culprit_ranks == [3]
+
+
+def test_multi_file_order_and_in_progress(write_log):
+    a = write_log("[rank0]: iteration 10/100 | lm loss: 1.0\n", "node1.log")
+    b = write_log("[rank8]: iteration 10/100 | lm loss: 1.0\n", "node2.log")
+    res = analyze_logs([a, b])
+    assert (res.primary_category, res.decision) == ("in_progress", "CONTINUE")
+    assert analyze_logs([a, b], job_ended=True).primary_category == "unknown"
+
+
+def test_registry_is_validated():
+    with pytest.raises(AttributionError, match="unknown category"):
+        parse_registry("categories: {disk_on_fire: {domain: workload, decision: STOP}}")
+    with pytest.raises(AttributionError, match="not valid YAML"):
+        parse_registry("categories: [")
+
+
+def test_custom_registry_row(tmp_path, write_log):
+    """Sites extend the registry with data, not code."""
+    from importlib import resources
+
+    import yaml
+
+    doc = yaml.safe_load(resources.files("trainguard.attribution").joinpath(
+        "patterns/default.yaml").read_text())
+    doc["patterns"].insert(0, {"id": "site_fs_evicted", "category": "storage_full",
+                               "role": "root", "tier": 30, "any": ["lustreerror"],
+                               "regex": r"LustreError: .* evicted"})
+    reg = tmp_path / "reg.yaml"
+    reg.write_text(yaml.safe_dump(doc))
+    log = write_log("LustreError: 11-0: client evicted by MDS\n")
+    assert analyze_logs([log]).primary_category == "code_exception"  # generic "XError:" row
+    res = analyze_logs([log], registry_path=str(reg))
+    assert res.primary_category == "storage_full"
+    assert res.evidence[0].pattern == "site_fs_evicted"

@@ -1,0 +1,223 @@
+"""AsyncCheckpointer in one process: snapshots, real writer faults, I/O errors, memory, reset."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from collections import OrderedDict
+
+import psutil
+import pytest
+import torch
+
+from trainguard._core.hooks import run_reset_callbacks
+from trainguard.checkpointing import (
+    AsyncCheckpointer,
+    CheckpointManager,
+    CheckpointWorkerError,
+    CheckpointWriteError,
+    StateDictError,
+)
+from trainguard.checkpointing.manager import rank_file
+from trainguard.errors import ConfigError
+
+
+class Point:  # importable by the writer (module of this test file is on its sys.path)
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, Point) and other.x == self.x
+
+
+def _state(v: float = 1.0):
+    return {
+        "model": OrderedDict(w=torch.full((256, 64), v), b=torch.arange(8, dtype=torch.int64)),
+        "optim": {"state": {0: {"step": torch.tensor(v), "exp_avg": torch.full((256, 64), v / 2)}},
+                  "param_groups": [{"lr": 0.01, "betas": (0.9, 0.99)}]},
+        "extra": [torch.ones(3, dtype=torch.bfloat16), "text", 42, None],
+        "view": torch.arange(100.0)[10:20],
+    }
+
+
+@pytest.mark.timeout(90)
+def test_round_trip_snapshot_and_torch_load(tmp_path):
+    with AsyncCheckpointer(tmp_path / "ck", keep_last=2) as ck:
+        state = _state(1.0)
+        state["user"] = Point(3)
+        ck.save(state, 1)
+        # mutate immediately: CPU tensors in place, a rebind, the "step" scalar (reports #2, #3, #15)
+        state["model"]["w"].add_(100.0)
+        state["optim"]["state"][0]["step"].fill_(2.0)
+        state["view"].zero_()
+        assert ck.wait() == [1]
+        obj, step = ck.load(weights_only=False)
+        assert step == 1 and obj["optim"]["state"][0]["step"].item() == 1.0
+        assert torch.equal(obj["model"]["w"], torch.full((256, 64), 1.0))
+        assert torch.equal(obj["view"], torch.arange(10.0, 20.0))
+        assert obj["extra"][1:] == ["text", 42, None] and obj["extra"][0].dtype == torch.bfloat16
+        assert obj["user"] == Point(3) and obj["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+        # reallocated tensors between saves are saved with their new values (report #4)
+        state["model"]["w"] = torch.full((256, 64), 7.0)
+        ck.save(state, 2)
+        ck.wait()
+        direct = torch.load(tmp_path / "ck" / CheckpointManager.step_dir(2) / rank_file(0),
+                            weights_only=False)  # a plain torch.save file
+        assert direct["model"]["w"][0, 0].item() == 7.0
+        # torch.save-style per-rank file
+        ck.async_save({"a": torch.ones(2)}, str(tmp_path / "plain.pt"))
+        assert ck.wait() == [None]
+        assert torch.equal(torch.load(tmp_path / "plain.pt")["a"], torch.ones(2))
+        assert ck.writer.starts == 1  # one persistent writer for all saves
+
+
+@pytest.mark.timeout(120)
+def test_writer_killed_at_each_phase_errors_then_recovers(tmp_path):
+    """Report #1 (Megatron-LM#6970): a dead or stuck writer is an error, never a hang."""
+    phases = {2: {"phase": "recv", "action": "exit"}, 3: {"phase": "write", "action": "sigkill"},
+              4: {"phase": "reply", "action": "sigkill"}, 5: {"phase": "write", "action": "hang"}}
+    ck = AsyncCheckpointer(tmp_path, keep_last=5, write_timeout=4.0, faults=phases)
+    try:
+        ck.save(_state(1.0), 1)
+        ck.wait()
+        for step in phases:
+            ck.save(_state(float(step)), step)
+            t0 = time.monotonic()
+            with pytest.raises(CheckpointWorkerError, match=r"rank\(s\) \[0\]") as info:
+                ck.wait()
+            print(step, phases[step], f"{time.monotonic() - t0:.2f}s", info.value)
+            assert ck.manager.committed_steps() == [1]
+            assert ck.manager.load()[1] == 1  # previous checkpoint intact and loadable
+        ck.save(_state(9.0), 9)
+        assert ck.wait() == [9] and ck.writer.starts == len(phases) + 1
+        assert ck.load()[0]["model"]["w"][0, 0].item() == 9.0
+    finally:
+        ck.close(finalize=False)
+
+
+@pytest.mark.timeout(90)
+def test_enospc_edquot_eacces_on_write_fsync_rename(tmp_path):
+    """Reports #11/#12: errors on every I/O call; previous checkpoint intact; re-save works."""
+    cases = [("write", errno.ENOSPC), ("fsync", errno.EDQUOT), ("replace", errno.ENOSPC),
+             ("write", errno.EDQUOT), ("fsync", errno.ENOSPC), ("replace", errno.EACCES)]
+    faults = {10 + i: {"phase": op, "action": "errno", "errno": e} for i, (op, e) in enumerate(cases)}
+    ck = AsyncCheckpointer(tmp_path, keep_last=3, faults=faults)
+    try:
+        ck.save(_state(1.0), 1)
+        ck.wait()
+        for step, fault in faults.items():
+            ck.save(_state(2.0), step)
+            with pytest.raises(CheckpointWriteError, match=os.strerror(fault["errno"])):
+                ck.wait()
+            assert ck.manager.all_steps() == [1], os.listdir(tmp_path)  # no partial step left
+        assert ck.writer.starts == 1  # I/O errors do not cost the writer
+        ck.faults.clear()
+        ck.save(_state(3.0), 10)  # re-saving a failed step works (no FileExistsError)
+        assert ck.wait() == [10] and ck.load()[0]["model"]["w"][0, 0].item() == 3.0
+    finally:
+        ck.close(finalize=False)
+
+
+@pytest.mark.timeout(60)
+def test_manifest_commit_enospc(tmp_path, monkeypatch):
+    ck = AsyncCheckpointer(tmp_path)
+    try:
+        ck.save(_state(1.0), 1)
+        ck.wait()
+        ck.save(_state(2.0), 2)
+        while not ck.is_written(ck.queue[0]):
+            time.sleep(0.01)
+
+        def no_space(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", no_space)  # the trainer's manifest rename fails
+        with pytest.raises(CheckpointWriteError, match="commit of manifest failed"):
+            ck.wait()
+        monkeypatch.undo()
+        assert ck.manager.committed_steps() == [1] and ck.load()[1] == 1
+        ck.save(_state(3.0), 3)
+        assert ck.wait() == [3]
+    finally:
+        ck.close(finalize=False)
+
+
+@pytest.mark.timeout(90)
+def test_host_memory_bounded_over_50_saves(tmp_path):
+    """Report #5: RSS stays bounded; at most max_in_flight staging arenas exist."""
+    state = {f"t{i}": torch.randn(64, 1024) for i in range(16)}  # 4 MiB
+    proc = psutil.Process()
+    with AsyncCheckpointer(tmp_path, keep_last=1, max_in_flight=2) as ck:
+        ck.save(state, 0)
+        ck.wait()
+        rss0 = proc.memory_info().rss
+        for step in range(1, 51):
+            ck.save(state, step)
+            ck.maybe_finalize()
+            arenas = [n for n in os.listdir("/dev/shm") if n.startswith(f"tg_ckpt_{os.getpid()}_")]
+            assert len(arenas) <= 2
+        ck.wait()
+        growth = proc.memory_info().rss - rss0
+        print(f"RSS growth over 50 saves: {growth / 2**20:.1f} MiB (state 4 MiB)")
+        assert growth < 64 * 2**20
+        assert ck.manager.committed_steps() == [50]
+
+
+@pytest.mark.timeout(60)
+def test_ten_thousand_tensors(tmp_path):
+    """Report #14: per-tensor shm handles exhausted fds; one arena moves 10k tensors."""
+    state = {f"p{i}": torch.full((3,), float(i)) for i in range(10_000)}
+    with AsyncCheckpointer(tmp_path) as ck:
+        t0 = time.perf_counter()
+        ck.save(state, 1)
+        print(f"staging 10k tensors: {time.perf_counter() - t0:.3f}s")
+        ck.wait()
+        obj, _ = ck.load()
+        assert len(obj) == 10_000 and obj["p9999"][0].item() == 9999.0
+
+
+@pytest.mark.timeout(60)
+def test_reset_callback_kills_writer_and_next_save_respawns(tmp_path):
+    ck = AsyncCheckpointer(tmp_path)
+    try:
+        ck.save(_state(1.0), 1)
+        ck.wait()
+        pid = ck.writer.pid
+        ck.save(_state(2.0), 2)  # in flight when the restart aborts
+        assert "trainguard.checkpointing.async" not in run_reset_callbacks()
+        assert ck.writer.pid is None and ck.num_unfinalized == 0
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        ck.save(_state(3.0), 3)
+        assert ck.wait() == [3] and ck.writer.pid != pid and ck.writer.starts == 2
+    finally:
+        ck.close(finalize=False)
+
+
+def test_bad_input_errors(tmp_path):
+    import threading
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if os.geteuid() != 0:  # root ignores directory permissions
+            with pytest.raises(ConfigError, match="not writable"):
+                AsyncCheckpointer(ro / "ck")
+    finally:
+        os.chmod(ro, 0o700)
+    with pytest.raises(ConfigError, match="format"):
+        AsyncCheckpointer(tmp_path, format="zip")
+    ck = AsyncCheckpointer(tmp_path)
+    try:
+        with pytest.raises(StateDictError, match=r"opt\.lock"):
+            ck.save({"opt": {"lock": threading.Lock()}}, 1)
+        with pytest.raises(ConfigError, match="step"):
+            ck.save({}, -1)
+        assert ck.num_unfinalized == 0  # nothing queued
+    finally:
+        ck.close()
+    with AsyncCheckpointer(tmp_path, format="dcp") as dck:
+        with pytest.raises(ConfigError, match="str keys"):
+            dck.save({1: torch.ones(1)}, 1)

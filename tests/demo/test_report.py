@@ -1,0 +1,163 @@
+"""The demo's report builder, table and timeline on synthetic event logs (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from trainguard._demo._events import EventLog, EventTail, read_events
+from trainguard._demo._report import build_summary, render_table, restart_groups
+from trainguard._demo._schedule import parse_faults
+from trainguard._demo._timeline import plot_timeline
+
+STEP_S = 0.1
+
+
+class Run:
+    """Builds event logs the way ranks write them, on a synthetic clock."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, list[dict]] = {}
+
+    def emit(self, rank: int, ev: str, t: float, **fields) -> None:
+        self.events.setdefault(rank, []).append({"ev": ev, "t": t, "rank": rank, **fields})
+
+    def iteration(self, ranks, it, resume, last_step, t, world_size=3):
+        for active, rank in enumerate(ranks):
+            self.emit(rank, "enter", t, iteration=it, active_rank=active,
+                      active_world_size=len(ranks), world_size=world_size, resume_step=resume)
+        for step in range(resume + 1, last_step + 1):
+            t += STEP_S
+            for rank in ranks:
+                self.emit(rank, "step", t, t0=t - STEP_S, step=step, loss=1.0, iteration=it)
+            if step % 10 == 0:
+                self.emit(ranks[0], "checkpoint", t, step=step, iteration=it)
+        return t
+
+    def restart(self, ranks, into, cause, fault_ranks, detect, reentries):
+        for rank, back in zip(ranks, reentries):
+            self.emit(rank, "restart", back + 0.01, into_iteration=into, iteration=into,
+                      cause=cause, fault_ranks=fault_ranks, fault_time=detect - 0.01,
+                      detection_time=detect + 0.01 * rank, reentry_time=back)
+
+
+def two_fault_run(accuracy: float = 0.97) -> Run:
+    """2 active + 1 reserve; exception on rank 1 at step 15, SIGKILL of rank 1 at step 25."""
+    run = Run()
+    for rank in (0, 1, 2):
+        run.emit(rank, "start", 1.0, pid=100 + rank)
+    t = run.iteration([0, 1], 0, 0, 14, 5.0)
+    run.emit(1, "fault", 10.0, kind="exception", step=15, index=0, iteration=0)
+    run.restart([0, 1], 1, "exception", [1], 10.05, [10.30, 10.35])
+    t = run.iteration([0, 1], 1, 10, 24, 10.5)
+    run.emit(1, "fault", 20.0, kind="sigkill", step=25, index=1, iteration=1)
+    run.restart([0, 2], 2, "process_died", [1], 20.5, [20.9, 21.0])
+    t = run.iteration([0, 2], 2, 20, 30, 21.2)
+    for rank in (0, 2):
+        run.emit(rank, "done", t + 0.05, step=30, accuracy=accuracy, iteration=2)
+        run.emit(rank, "exit", t + 0.1, status="completed", accuracy=accuracy)
+    return run
+
+
+SCHEDULE = "exception@rank1:step15,sigkill@rank1:step25"
+
+
+def test_faults_are_matched_to_their_restarts():
+    run = two_fault_run()
+    summary = build_summary(run.events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
+    exc, kill = summary["faults"]
+    assert (exc["kind"], exc["rank"], exc["step"]) == ("exception", 1, 15)
+    assert exc["detected_by"] == "exception (rank 1)"
+    assert exc["detection_s"] == pytest.approx(0.05, abs=1e-3)
+    assert exc["restart_s"] == pytest.approx(0.30, abs=1e-3)  # earliest detection -> last re-entry
+    assert exc["steps_lost"] == 4  # steps 11..14 redone after resuming from the step-10 checkpoint
+    assert exc["world_size_after"] == 2 and exc["recovered"] is True
+    assert exc["recovery_s"] == pytest.approx(0.6, abs=1e-3)  # first step of iteration 1 at 10.6
+    assert kill["detected_by"] == "process died (rank 1)"
+    assert kill["detection_s"] == pytest.approx(0.5, abs=1e-3)
+    assert kill["restart_s"] == pytest.approx(0.5, abs=1e-3)
+    assert kill["steps_lost"] == 4 and kill["world_size_after"] == 2 and kill["recovered"] is True
+    assert summary["restarts"] == 2 and summary["unplanned_restarts"] == []
+    assert summary["ok"] is True
+
+
+def test_goodput_counts_each_kept_step_once():
+    summary = build_summary(two_fault_run().events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
+    assert summary["useful_step_s"] == pytest.approx(30 * STEP_S, abs=1e-3)
+    assert summary["goodput"] == pytest.approx(30 * STEP_S / 40.0, abs=1e-3)
+    assert summary["steps_completed"] == 30
+    window = 22.2 - 5.0  # first step start .. last step end
+    assert summary["train_goodput"] == pytest.approx(30 * STEP_S / window, rel=1e-2)
+    assert summary["accuracy"] == 0.97
+
+
+def test_summary_has_the_required_keys_and_is_json():
+    summary = build_summary(two_fault_run().events, parse_faults(SCHEDULE), steps=30, wall_s=40.0,
+                            exits={1: "killed by signal SIGKILL", 0: "exit code 0"})
+    data = json.loads(json.dumps(summary))
+    assert {"faults", "accuracy", "goodput", "wall_s"} <= set(data)
+    for row in data["faults"]:
+        assert {"kind", "rank", "detected_by", "detection_s", "restart_s", "steps_lost",
+                "world_size_after", "recovered"} <= set(row)
+    assert data["exits"] == {"0": "exit code 0", "1": "killed by signal SIGKILL"}
+
+
+def test_low_accuracy_fails_the_run():
+    summary = build_summary(two_fault_run(accuracy=0.9).events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
+    assert all(r["recovered"] for r in summary["faults"])
+    assert summary["ok"] is False
+
+
+def test_a_fault_that_never_fired_is_not_recovered():
+    faults = parse_faults(SCHEDULE + ",hang@rank2:step28")
+    summary = build_summary(two_fault_run().events, faults, steps=30, wall_s=40.0)
+    hang = summary["faults"][2]
+    assert hang["fired"] is False and hang["detected_by"] == "not fired" and hang["recovered"] is False
+    assert summary["ok"] is False
+
+
+def test_a_fault_without_a_restart_is_not_recovered():
+    run = Run()
+    t = run.iteration([0, 1], 0, 0, 14, 5.0)
+    run.emit(1, "fault", t, kind="hang", step=15, index=0, iteration=0)
+    summary = build_summary(run.events, parse_faults("hang@rank1:step15"), steps=30, wall_s=60.0,
+                            timed_out=True)
+    row = summary["faults"][0]
+    assert row["detected_by"] == "no restart seen" and row["recovered"] is False
+    assert row["detection_s"] is None and summary["accuracy"] is None and summary["ok"] is False
+
+
+def test_unplanned_restart_is_reported():
+    run = two_fault_run()
+    summary = build_summary(run.events, parse_faults("exception@rank1:step15"), steps=30, wall_s=40.0)
+    assert [g["into_iteration"] for g in summary["unplanned_restarts"]] == [2]
+    assert restart_groups(run.events)[2]["reported_by"] == [0, 2]
+
+
+def test_table_and_timeline_render(tmp_path):
+    run = two_fault_run()
+    summary = build_summary(run.events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
+    console = Console(record=True, width=140)
+    console.print(render_table(summary))
+    text = console.export_text()
+    assert "exception (rank 1)" in text and "process died (rank 1)" in text and "PASS" in text
+    png = tmp_path / "timeline.png"
+    plot_timeline(run.events, png, t0=0.0)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_event_log_round_trip_and_tail_skips_torn_lines(tmp_path):
+    log = EventLog(tmp_path / "rank3.jsonl", 3)
+    tail = EventTail(tmp_path)
+    log.emit("start", pid=1)
+    assert [e["ev"] for e in tail.poll()] == ["start"]
+    with open(tmp_path / "rank3.jsonl", "a") as fh:
+        fh.write('{"ev": "step", "t": 1')  # a writer killed mid-line
+    assert tail.poll() == []
+    with open(tmp_path / "rank3.jsonl", "a") as fh:
+        fh.write(', "rank": 3}\n')
+    assert [e["ev"] for e in tail.poll()] == ["step"]
+    log.close()
+    assert [e["ev"] for e in read_events(tmp_path)[3]] == ["start", "step"]
