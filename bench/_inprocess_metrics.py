@@ -21,8 +21,9 @@ class FaultFigures:
         rank: initial rank the fault was injected on.
         iteration: restart iteration (torchrun: attempt) the fault happened in.
         world: ranks in that iteration.
-        reentered_s: fault -> the last surviving rank entered the next iteration.
-        first_step_s: fault -> the last surviving rank completed its first step after restart.
+        reentered_s: fault -> the last rank (survivors, and a reserve rank that took over) entered
+            the next iteration.
+        first_step_s: fault -> the last such rank completed its first step after restart.
         detect_s: hang only: hang start -> the hung call was interrupted.
         wrapper_detect_s: the wrapper's own fault -> detection figure (ours only).
         wrapper_interrupt_s: the wrapper's own fault -> last rank interrupted (ours only).
@@ -68,9 +69,13 @@ def _by(events: list[dict[str, Any]], name: str, it: int) -> dict[int, dict[str,
 
 
 def _last_after(got: dict[int, dict[str, Any]], expected: set[int], t0: float) -> float | None:
+    """Seconds from ``t0`` until the last rank of ``got``; None if an expected rank is missing.
+
+    ``got`` may hold more ranks than ``expected``: a reserve rank that took over a lost one.
+    """
     if not expected or not expected <= set(got):
         return None  # some survivor never made it: not recovered
-    return max(got[r]["t"] for r in expected) - t0
+    return max(e["t"] for e in got.values()) - t0
 
 
 def fault_figures(events: list[dict[str, Any]]) -> list[FaultFigures]:

@@ -71,6 +71,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hard-timeout", type=float, default=10.0, help="seconds (ours only)")
     p.add_argument("--last-call-wait", type=float, default=None, help="seconds (ours only)")
     p.add_argument("--store-port", type=int, required=False, help="wrapper store port")
+    p.add_argument("--active", type=int, default=None, help="active ranks; the rest are reserve")
     return p.parse_args(argv)
 
 
@@ -184,6 +185,12 @@ def run_ours(args: argparse.Namespace, trainer: Trainer) -> None:
         kwargs["store_kwargs"] = {"port": args.store_port}
     if args.last_call_wait is not None:
         kwargs["last_call_wait"] = timedelta(seconds=args.last_call_wait)
+    if args.active is not None:
+        from trainguard.inprocess import Compose
+        from trainguard.inprocess.rank_assignment import MaxActiveWorldSize, ShiftRanks
+
+        # Rightmost first: shift out lost ranks, then the first `active` ranks run fn.
+        kwargs["rank_assignment"] = Compose(MaxActiveWorldSize(args.active), ShiftRanks())
 
     def train(call: CallWrapper) -> float:
         trainer.events.emit("enter", it=call.iteration)

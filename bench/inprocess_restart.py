@@ -42,7 +42,8 @@ from trainguard._core.net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOAD = os.path.join(HERE, "_inprocess_workload.py")
-console = Console(width=110)
+console = Console(width=130)
+FAILED_RUNS: list[str] = []  # runs whose processes failed or timed out (reported in the JSON)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +52,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--faults", type=int, default=5, help="exceptions injected (median over them)")
     p.add_argument("--hang-faults", type=int, default=3, help="hangs injected (0 = skip)")
     p.add_argument("--kill-faults", type=int, default=2, help="SIGKILLs (each shrinks the world)")
+    p.add_argument("--reserve", type=int, default=0, help="extra idle ranks (ours only)")
     p.add_argument("--skip-hang", action="store_true", help="same as --hang-faults 0")
     p.add_argument("--skip-kill", action="store_true", help="same as --kill-faults 0")
     p.add_argument("--skip-torchrun", action="store_true")
@@ -66,8 +68,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error(f"--ranks must be >= 2 (one rank faults, the others must notice), got {args.ranks}")
+    if args.reserve < 0:
+        p.error(f"--reserve must be >= 0, got {args.reserve}")
     if args.faults < 1:
         p.error(f"--faults must be >= 1, got {args.faults}")
+    try:
+        args.nvrx_gloo_timeouts = [float(v) for v in args.nvrx_gloo_timeouts.split(",") if v]
+    except ValueError:
+        p.error(
+            f"--nvrx-gloo-timeouts must be comma-separated seconds, got {args.nvrx_gloo_timeouts!r}"
+        )
+    if not args.nvrx_gloo_timeouts or min(args.nvrx_gloo_timeouts) <= 0:
+        p.error("--nvrx-gloo-timeouts needs at least one positive number of seconds")
     args.hang_faults = 0 if args.skip_hang else max(0, args.hang_faults)
     args.kill_faults = 0 if args.skip_kill else min(max(0, args.kill_faults), args.ranks - 1)
     return args
@@ -98,11 +110,13 @@ def _plan(args: argparse.Namespace, n_exc: int, hangs: int, kills: int) -> list[
 
 
 def _report_failure(group: RankGroup, tags: list[str], codes: list, timed_out: bool) -> None:
-    console.print(f"[red]{group.name}: exit codes {codes}{' (timed out)' if timed_out else ''}")
+    FAILED_RUNS.append(group.name)
+    note = " (timed out)" if timed_out else ""
+    console.print(f"{group.name}: exit codes {codes}{note}", style="red", markup=False)
     for tag in tags:
         tail = group.log_tail(tag)
         if tail:
-            console.print(f"[dim]--- {group.name}_{tag}.log (tail) ---\n{tail}", markup=False)
+            console.print(f"--- {group.name}_{tag}.log (tail) ---\n{tail}", markup=False)
 
 
 def run_wrapped(
@@ -113,8 +127,9 @@ def run_wrapped(
     python: str,
     plan: list[dict[str, Any]],
     extra: list[str],
+    reserve: int = 0,
 ) -> list[FaultFigures]:
-    """Run the workload as ``args.ranks`` plain processes under an in-process wrapper."""
+    """Run the workload as ``args.ranks`` (+ ``reserve``) plain processes under a wrapper."""
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     master, store = free_port(), free_port()
@@ -136,17 +151,18 @@ def run_wrapped(
     # Generous: a mechanism that waits for the gloo timeout still finishes and shows it.
     slack = 15.0 + args.gloo_timeout
     per_fault = {"exc": slack, "hang": args.hard_timeout + slack, "kill": slack}
-    budget = 60.0 + 5.0 * args.ranks + sum(per_fault[f["kind"]] for f in plan)
+    world = args.ranks + reserve
+    if reserve:
+        cmd += ["--active", str(args.ranks)]
+    budget = 60.0 + 5.0 * world + sum(per_fault[f["kind"]] for f in plan)
     with RankGroup(work, name) as group:
-        for rank in range(args.ranks):
-            group.start(cmd, _rank_env(rank, args.ranks, master, store), f"rank{rank}")
+        for rank in range(world):
+            group.start(cmd, _rank_env(rank, world, master, store), f"rank{rank}")
         codes, timed_out = group.wait(budget)
         killed = {f["rank"] for f in plan if f["kind"] == "kill"}
         bad = [r for r, c in enumerate(codes) if r not in killed and c != 0]
         if timed_out or bad:
-            _report_failure(
-                group, [f"rank{r}" for r in (bad or range(args.ranks))], codes, timed_out
-            )
+            _report_failure(group, [f"rank{r}" for r in (bad or range(world))], codes, timed_out)
     return fault_figures(load_events(out))
 
 
@@ -236,7 +252,9 @@ def print_faults(name: str, figs: list[FaultFigures]) -> None:
     console.print(table)
 
 
-def ours_summary(args: argparse.Namespace, figs: list[FaultFigures]) -> dict[str, Any]:
+def ours_summary(
+    args: argparse.Namespace, plan: list[dict[str, Any]], figs: list[FaultFigures]
+) -> dict[str, Any]:
     kind = {k: [f for f in figs if f.kind == k] for k in ("exc", "hang", "kill")}
     soft = args.soft_timeout
     return {
@@ -252,7 +270,7 @@ def ours_summary(args: argparse.Namespace, figs: list[FaultFigures]) -> dict[str
         if kind["kill"]
         else None,
         "faults_injected": {k: len(v) for k, v in kind.items()},
-        "faults_unrecovered": sum(not f.recovered for f in figs),
+        "faults_unrecovered": len(plan) - sum(f.recovered for f in figs),
     }
 
 
@@ -297,19 +315,22 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    load_start = round(os.getloadavg()[0], 2)
     extra = ["--soft-timeout", str(args.soft_timeout), "--hard-timeout", str(args.hard_timeout)]
     if args.last_call_wait is not None:
         extra += ["--last-call-wait", str(args.last_call_wait)]
     plan = _plan(args, args.faults, args.hang_faults, args.kill_faults)
     ours: list[FaultFigures] = []
     if not args.skip_ours:
-        console.print(f"[bold]ours[/]: {args.ranks} ranks, plan {[f['kind'] for f in plan]}")
-        ours = run_wrapped(args, work, "ours", "ours", sys.executable, plan, extra)
+        kinds = [f["kind"] for f in plan]
+        console.print(f"[bold]ours[/]: {args.ranks} ranks + {args.reserve} reserve, plan {kinds}")
+        ours = run_wrapped(args, work, "ours", "ours", sys.executable, plan, extra, args.reserve)
         print_faults("trainguard", ours)
     result: dict[str, Any] = {
         "ranks": args.ranks,
+        "reserve_ranks": args.reserve,
         "faults": args.faults,
-        **ours_summary(args, ours),
+        **ours_summary(args, [] if args.skip_ours else plan, ours),
     }
     result.update(
         torchrun_restart_s_median=None,
@@ -327,7 +348,12 @@ def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
         )
     if args.nvrx_python and nvrx_available(args.nvrx_python):
         result.update(run_nvrx(args, work, result["restart_s_median"]))
-    result.update(gloo_timeout_s=args.gloo_timeout, soft_timeout_s=args.soft_timeout)
+    result.update(
+        gloo_timeout_s=args.gloo_timeout,
+        soft_timeout_s=args.soft_timeout,
+        last_call_wait_s=args.last_call_wait,  # None: the wrapper's default
+        load_avg_1m=[load_start, round(os.getloadavg()[0], 2)],  # shared machine: noise hint
+    )
     return result
 
 
@@ -335,7 +361,7 @@ def run_nvrx(args: argparse.Namespace, work: str, ours_restart: float | None) ->
     """NVRx's Wrapper with its defaults; one run per gloo timeout in ``--nvrx-gloo-timeouts``."""
     n = args.nvrx_faults or args.faults
     by_timeout: dict[str, float | None] = {}
-    for gloo in [float(s) for s in args.nvrx_gloo_timeouts.split(",") if s.strip()]:
+    for gloo in args.nvrx_gloo_timeouts:
         console.print(f"[bold]NVRx inprocess.Wrapper[/] (defaults), gloo timeout {gloo:g} s")
         sub = argparse.Namespace(**{**vars(args), "gloo_timeout": gloo})
         figs = run_wrapped(
@@ -376,9 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
     result["targets_met"] = {k: ok for k, _, ok in targets(result)}
+    result["failed_runs"] = FAILED_RUNS
     print_summary(result)
     print(json.dumps(result), flush=True)
-    return 0 if result["faults_unrecovered"] == 0 else 1
+    ok = result["faults_unrecovered"] == 0 and not FAILED_RUNS
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -87,6 +87,10 @@ def test_line_numbers_stable_across_chunks(write_log):
      "user_cancelled", None, None, "STOP"),
     (("slurmstepd: error: *** JOB 77 ON node-04 CANCELLED AT 2024-01-01T00:00:00 DUE TO NODE "
      "FAILURE ***\n"), "node_failure", None, ["node-04"], "RESTART_EXCLUDE_NODES"),
+    (("[rank4]: RuntimeError: NCCL error in: NCCLUtils.hpp:219, unhandled cuda error, NCCL "
+      "version 2.14.3\n"), "framework_crash", [4], None, "RESTART"),
+    ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n", "network", None,
+     None, "RESTART"),
     (("[default1]:torch.distributed.DistNetworkError: The client socket has failed to connect "
      "to [node-01]:29500\n"), "network", [1], None, "RESTART"),
 ])

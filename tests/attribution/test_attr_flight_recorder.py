@@ -119,3 +119,13 @@ def test_dump_symlink_escaping_root_is_refused(tmp_path):
     os.symlink(outside / "_dump_0", root / "_dump_0")
     with pytest.raises(FlightRecorderError, match="outside the allowed roots"):
         analyze_flight_recorder(str(root), within=[os.path.realpath(root)])
+
+
+def test_log_and_dumps_together_name_the_hung_ranks(capsys):
+    from attr_data import LOGS
+
+    assert main(["analyze", str(LOGS / "run_01.log"), "--fr-dir", str(FR / "lock_gil_1st"),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["primary_category"] == "collective_timeout" and out["decision"] == "RESTART"
+    assert out["culprit_ranks"] == [9, 14]  # the log alone cannot tell; the dumps can

@@ -143,3 +143,16 @@ def test_config_requires_key_and_root(tmp_path):
         from trainguard.attribution._store import db_path_from_url
 
         db_path_from_url("postgres://db/x")
+
+
+def test_bad_logs_fail_cleanly(start_server, attr_root):
+    srv = start_server()
+    (attr_root / "empty.log").write_bytes(b"")
+    (attr_root / "core.bin").write_bytes(b"\x7fELF\x00\x01" * 1000)
+    with AttributionClient(srv.url, "k-secret-1") as client:
+        empty = client.wait(client.submit("bad", [str(attr_root / "empty.log")])["id"], 30)
+        binary = client.wait(client.submit("bad", [str(attr_root / "core.bin")], cycle=1)["id"],
+                             30)
+    assert empty["status"] == "failed" and "empty" in empty["error"]
+    assert binary["status"] == "failed" and "binary" in binary["error"]
+    assert httpx.get(srv.url + "/healthz").json() == {"status": "ok"}

@@ -21,7 +21,7 @@ def _entry(fn, rank: int, world_size: int, port: int, args: tuple, conn) -> None
                             timeout=timedelta(seconds=60))
     try:
         conn.send(("ok", fn(rank, world_size, *args)))
-    except BaseException:  # report everything, including assertion failures, to the parent
+    except BaseException:  # noqa: BLE001 - report everything, including assertion failures, to the parent
         conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()

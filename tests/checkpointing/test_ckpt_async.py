@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import time
 from collections import OrderedDict
 
@@ -82,12 +81,12 @@ def test_writer_killed_at_each_phase_errors_then_recovers(tmp_path):
     try:
         ck.save(_state(1.0), 1)
         ck.wait()
-        for step in phases:
+        for step, fault in phases.items():
             ck.save(_state(float(step)), step)
             t0 = time.monotonic()
             with pytest.raises(CheckpointWorkerError, match=r"rank\(s\) \[0\]") as info:
                 ck.wait()
-            print(step, phases[step], f"{time.monotonic() - t0:.2f}s", info.value)
+            print(step, fault, f"{time.monotonic() - t0:.2f}s", info.value)
             assert ck.manager.committed_steps() == [1]
             assert ck.manager.load()[1] == 1  # previous checkpoint intact and loadable
         ck.save(_state(9.0), 9)
@@ -218,6 +217,23 @@ def test_bad_input_errors(tmp_path):
         assert ck.num_unfinalized == 0  # nothing queued
     finally:
         ck.close()
-    with AsyncCheckpointer(tmp_path, format="dcp") as dck:
-        with pytest.raises(ConfigError, match="str keys"):
-            dck.save({1: torch.ones(1)}, 1)
+    with pytest.raises(ConfigError, match="not initialized"):
+        AsyncCheckpointer(tmp_path, use_dist=True)  # report #8: misconfiguration raises
+    with AsyncCheckpointer(tmp_path, format="dcp") as dck, pytest.raises(ConfigError, match="str keys"):
+        dck.save({1: torch.ones(1)}, 1)
+
+
+@pytest.mark.timeout(60)
+def test_on_error_log_policy_continues(tmp_path):
+    """Report #16: non-fatal checkpoint failures with retry on the next save."""
+    ck = AsyncCheckpointer(tmp_path, on_error="log",
+                           faults={2: {"phase": "write", "action": "errno", "errno": errno.ENOSPC}})
+    try:
+        ck.save(_state(1.0), 1)
+        ck.save(_state(2.0), 2)
+        assert ck.durability_lag_s > 0.0
+        ck.save(_state(3.0), 3)
+        assert ck.wait() == [1, 3] and ck.failed_saves == 1 and ck.durability_lag_s == 0.0
+        assert ck.manager.committed_steps() == [1, 3]
+    finally:
+        ck.close()

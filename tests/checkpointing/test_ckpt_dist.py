@@ -22,9 +22,11 @@ from trainguard.checkpointing.manager import rank_file
 
 
 def _flip_bit(path: str) -> None:
-    raw = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
     raw[len(raw) // 2] ^= 0x10
-    open(path, "wb").write(bytes(raw))
+    with open(path, "wb") as f:
+        f.write(bytes(raw))
 
 
 def _errors_and_recovery(rank: int, world_size: int, root: str) -> dict:
@@ -54,10 +56,15 @@ def _errors_and_recovery(rank: int, world_size: int, root: str) -> dict:
         ck.save(state, 5)
         out["5"] = ck.wait()
         out["committed"] = ck.manager.committed_steps()
+        # report #7: back-to-back saves with a main-thread collective on the default group
+        ck.save(state, 6)
+        ck.save(state, 7)
+        dist.barrier()
+        out["b2b"] = ck.wait()
         obj, step = ck.load()
         out["load5"] = (step, obj["w"][0].item(), obj["step"].item())
         if rank == 1:  # bit-flip rank 1's newest shard: every rank must fall back together
-            _flip_bit(os.path.join(ck.manager.path_of(5), rank_file(1)))
+            _flip_bit(os.path.join(ck.manager.path_of(7), rank_file(1)))
         dist.barrier()
         obj, step = ck.load()
         out["fallback"] = (step, obj["w"][0].item())
@@ -76,9 +83,10 @@ def test_errors_reach_every_rank_and_corrupt_shard_fallback(tmp_path):
         assert out[3][0] == "CheckpointWriteError" and out[3][1] == [1]
         assert "Disk quota exceeded" in out[3][2]
         assert out[4][0] == "CheckpointWorkerError" and out[4][1] == [1] and "SIGKILL" in out[4][2]
-        assert out["5"] == [5] and out["committed"] == [1, 2, 5]
-        assert out["load5"] == (5, rank + 10.0, 2)
-        assert out["fallback"] == (2, rank + 10.0)  # step 5 skipped on both ranks
+        assert out["5"] == [5] and out["committed"] == [1, 2, 5]  # failed 3 and 4 left nothing
+        assert out["b2b"] == [6, 7]
+        assert out["load5"] == (7, rank + 10.0, 2)
+        assert out["fallback"] == (5, rank + 10.0)  # step 7 skipped on both ranks
     assert results[1][1]["writer_starts"] == 2 and results[0][1]["writer_starts"] == 1
     with pytest.raises(CheckpointMismatchError, match="written by 2 ranks"):
         CheckpointManager(tmp_path).load(step=2, world_size=1)
@@ -134,7 +142,7 @@ def _crash_mid_write(rank: int, world_size: int, root: str) -> str:
     try:
         ck.wait()
         return "committed"
-    except Exception as exc:  # gloo reports the dead peer (any error type) - never a hang
+    except Exception as exc:  # noqa: BLE001 - gloo reports the dead peer (any error type) - never a hang
         return type(exc).__name__
     finally:
         ck.close(finalize=False)

@@ -19,9 +19,9 @@ from trainguard.checkpointing import (
     CliqueReplicationStrategy,
     CorruptCheckpointError,
     StateDictError,
+    _staging,
     storage_for,
 )
-from trainguard.checkpointing import _staging
 from trainguard.checkpointing.manager import MANIFEST, rank_file
 from trainguard.errors import ConfigError
 

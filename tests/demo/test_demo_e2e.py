@@ -82,7 +82,8 @@ def test_demo_recovers_from_an_exception_and_a_sigkill(tmp_path: Path):
         (["--faults", "explode@rank1:step3"], "unknown kind 'explode'"),
         (["--faults", "exception@rank1"], "expected KIND@rankR:stepS"),
         (["--faults", "hang@rank9:step3"], "rank 9 does not exist"),
-        (["--faults", "sigkill@rank0:step3"], "hosts the coordination store"),
+        (["--faults", "hang@rank1:step500"], "past the last step (160)"),
+        (["--soft-timeout", "9"], "must be below --hard-timeout"),
         (["--steps", "0"], "must be >= 1"),
     ],
 )

@@ -53,7 +53,7 @@ def two_fault_run(accuracy: float = 0.97) -> Run:
     run.restart([0, 1], 1, "exception", [1], 10.05, [10.30, 10.35])
     t = run.iteration([0, 1], 1, 10, 24, 10.5)
     run.emit(1, "fault", 20.0, kind="sigkill", step=25, index=1, iteration=1)
-    run.restart([0, 2], 2, "process_died", [1], 20.5, [20.9, 21.0])
+    run.restart([0, 2], 2, "terminated", [1], 20.5, [20.9, 21.0])
     t = run.iteration([0, 2], 2, 20, 30, 21.2)
     for rank in (0, 2):
         run.emit(rank, "done", t + 0.05, step=30, accuracy=accuracy, iteration=2)
@@ -69,18 +69,18 @@ def test_faults_are_matched_to_their_restarts():
     summary = build_summary(run.events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
     exc, kill = summary["faults"]
     assert (exc["kind"], exc["rank"], exc["step"]) == ("exception", 1, 15)
-    assert exc["detected_by"] == "exception (rank 1)"
+    assert exc["detected_by"] == "exception raised (rank 1)"
     assert exc["detection_s"] == pytest.approx(0.05, abs=1e-3)
     assert exc["restart_s"] == pytest.approx(0.30, abs=1e-3)  # earliest detection -> last re-entry
     assert exc["steps_lost"] == 4  # steps 11..14 redone after resuming from the step-10 checkpoint
     assert exc["world_size_after"] == 2 and exc["recovered"] is True
     assert exc["recovery_s"] == pytest.approx(0.6, abs=1e-3)  # first step of iteration 1 at 10.6
-    assert kill["detected_by"] == "process died (rank 1)"
+    assert kill["detected_by"] == "monitor: process died (rank 1)"
     assert kill["detection_s"] == pytest.approx(0.5, abs=1e-3)
     assert kill["restart_s"] == pytest.approx(0.5, abs=1e-3)
     assert kill["steps_lost"] == 4 and kill["world_size_after"] == 2 and kill["recovered"] is True
     assert summary["restarts"] == 2 and summary["unplanned_restarts"] == []
-    assert summary["ok"] is True
+    assert summary["ok"] is True and summary["problems"] == []
 
 
 def test_goodput_counts_each_kept_step_once():
@@ -107,7 +107,7 @@ def test_summary_has_the_required_keys_and_is_json():
 def test_low_accuracy_fails_the_run():
     summary = build_summary(two_fault_run(accuracy=0.9).events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
     assert all(r["recovered"] for r in summary["faults"])
-    assert summary["ok"] is False
+    assert summary["ok"] is False and summary["problems"] == ["accuracy 0.9000 < 0.95"]
 
 
 def test_a_fault_that_never_fired_is_not_recovered():
@@ -115,7 +115,7 @@ def test_a_fault_that_never_fired_is_not_recovered():
     summary = build_summary(two_fault_run().events, faults, steps=30, wall_s=40.0)
     hang = summary["faults"][2]
     assert hang["fired"] is False and hang["detected_by"] == "not fired" and hang["recovered"] is False
-    assert summary["ok"] is False
+    assert summary["problems"] == ["hang@rank2:step28 not recovered (not fired)"]
 
 
 def test_a_fault_without_a_restart_is_not_recovered():
@@ -127,6 +127,11 @@ def test_a_fault_without_a_restart_is_not_recovered():
     row = summary["faults"][0]
     assert row["detected_by"] == "no restart seen" and row["recovered"] is False
     assert row["detection_s"] is None and summary["accuracy"] is None and summary["ok"] is False
+    assert summary["problems"] == [
+        "hang@rank1:step15 not recovered (no restart seen)",
+        "training did not finish (no accuracy)",
+        "the global timeout expired",
+    ]
 
 
 def test_unplanned_restart_is_reported():
@@ -139,10 +144,12 @@ def test_unplanned_restart_is_reported():
 def test_table_and_timeline_render(tmp_path):
     run = two_fault_run()
     summary = build_summary(run.events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
-    console = Console(record=True, width=140)
-    console.print(render_table(summary))
+    console = Console(record=True, width=160)
+    console.print(render_table(summary, width=160))
+    console.print(render_table(summary, width=80))  # narrow terminals get the table turned
     text = console.export_text()
-    assert "exception (rank 1)" in text and "process died (rank 1)" in text and "PASS" in text
+    assert "exception raised (rank 1)" in text and "monitor: process died (rank 1)" in text
+    assert "PASS" in text
     png = tmp_path / "timeline.png"
     plot_timeline(run.events, png, t0=0.0)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -49,9 +49,9 @@ def test_bad_items_say_what_is_wrong(text, fragment):
     [
         ("hang@rank5:step4", "rank 5 does not exist"),
         ("hang@rank1:step200", "past the last step"),
-        ("sigkill@rank0:step4", "hosts the coordination store"),
-        (",".join(f"sigkill@rank{r}:step{s}" for r, s in ((1, 4), (2, 5), (3, 6), (4, 7), (4, 9))),
+        (",".join(f"sigkill@rank{r}:step{s}" for r, s in ((0, 3), (1, 4), (2, 5), (3, 6), (4, 7))),
          "would remove all 5 ranks"),
+        ("sigkill@rank2:step5,exception@rank2:step9", "killed at step 5, so a later fault"),
     ],
 )
 def test_schedule_is_checked_against_the_run(text, fragment):
@@ -59,8 +59,9 @@ def test_schedule_is_checked_against_the_run(text, fragment):
         validate_faults(parse_faults(text), ranks=4, reserve=1, steps=160)
 
 
-def test_exception_and_hang_on_rank0_are_allowed():
-    validate_faults(parse_faults("exception@rank0:step3,hang@rank0:step6"), ranks=2, reserve=0, steps=10)
+def test_every_kind_is_allowed_on_rank0():
+    faults = parse_faults("exception@rank0:step3,hang@rank0:step6,sigkill@rank0:step9")
+    validate_faults(faults, ranks=2, reserve=0, steps=10)
 
 
 def test_fault_spec_round_trips_through_json():

@@ -169,22 +169,6 @@ def max_restart_s(res, faulty: set[int]) -> float:
 
 
 # -- tests ---------------------------------------------------------------------------------------
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("rank", [0, "random"])
-def test_exception_restarts_all_ranks(rank):
-    bad = random.randint(1, 1) if rank == "random" else 0
-    res = launch(
-        2, {"pg": True, "gloo_timeout": 300}, [Fault(bad, FaultKind.RAISE, iteration=0, step=2)]
-    )
-    assert_recovered(res, set(), 2)
-    for r in res:
-        rec = r.result["records"][0]
-        assert rec["cause"] == "exception" and rec["fault_ranks"] == [bad]
-    lat = max_restart_s(res, set())
-    print(f"  exception -> all re-entered: {lat:.3f} s (target 0.5 s)")
-    assert lat < 5.0  # gloo timeout is 300 s: the abort must have broken the collective
-
-
 # Each kind faults on a random non-zero rank in iteration 0 and on rank 0 in iteration 1
 # (rank 0's monitor process hosts the store, so rank 0 dying must not end the job).
 _TERMINAL = {
@@ -227,6 +211,12 @@ def test_fault_kind_on_nonzero_rank_then_rank0(kind):
         for r in res:
             if r.rank in faulty:
                 assert r.returncode != 0
+    lat = [round(x["restart_s"], 3) for x in survivors(res, faulty)[0].result["records"]]
+    print(f"  {kind.value}: fault -> re-entry per restart (s): {lat}")
+    if kind is FaultKind.RAISE:  # gloo timeout is 300 s: the abort broke the blocked collective
+        assert max(lat) < 5.0
+    if kind is FaultKind.HANG_SLEEP:  # interrupted at the soft timeout (1 s), not killed
+        assert max(lat) < 1.0 + 3.0
 
 
 @pytest.mark.timeout(90)
@@ -259,14 +249,6 @@ def test_repeated_faults_with_retry_limit():
         recs = r.result["records"]
         assert [x["fault_ranks"] for x in recs] == [[i % 2] for i in range(6)]
         print(f"  rank {r.rank} restart_s: {[round(x['restart_s'], 3) for x in recs]}")
-
-
-@pytest.mark.timeout(90)
-def test_retry_limit_stops_restarting():
-    faults = [Fault(1, FaultKind.RAISE, iteration=i, step=1) for i in range(5)]
-    res = launch(2, {"max_iterations": 3}, faults)
-    for r in res:
-        assert r.returncode != 0 and "RestartAbort" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.timeout(90)

@@ -74,12 +74,14 @@ class RunView:
                 self.status[rank] = f"done, test accuracy {e['accuracy']:.4f}"
             elif ev == "exit" and e.get("status") == "error":
                 self.status[rank] = f"left the job: {e.get('error')}"
+            elif ev == "exit" and e.get("status") == "reserve":
+                self.status[rank] = "finished in reserve (not needed)"
         self._refresh()
 
     def process_exited(self, rank: int, returncode: int, live: bool) -> None:
         text = describe_exit(returncode)
-        if returncode != 0 or "done" not in self.status[rank]:
-            self.status[rank] = f"process ended ({text}); " + self.status[rank]
+        if returncode != 0 or not self.status[rank].startswith(("done", "finished")):
+            self.status[rank] = f"process ended ({text}); last: " + self.status[rank]
         self._note(f"rank {rank}: process ended ({text})", live)
 
     def _refresh(self) -> None:

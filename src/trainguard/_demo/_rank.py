@@ -87,7 +87,7 @@ if __name__ == "__main__":
         status = main()
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - as the interpreter would: print, exit 1
         import traceback
 
         traceback.print_exc()

@@ -56,8 +56,21 @@ def restart_groups(events: dict[int, list[dict]]) -> dict[int, dict]:
     return groups
 
 
+# the wrapper's interruption causes, as the table shows them
+_CAUSES = {
+    "exception": "exception raised",
+    "soft_timeout": "monitor: soft timeout",
+    "hard_timeout": "monitor: hard timeout, killed",
+    "terminated": "monitor: process died",
+    "unresponsive": "sibling heartbeat stale",
+    "exit": "rank left (BaseException)",
+    "health_check": "health check failed",
+}
+
+
 def _detected_by(group: dict) -> str:
-    cause = str(group.get("cause") or "unknown").replace("_", " ")
+    raw = str(group.get("cause") or "unknown")
+    cause = _CAUSES.get(raw, raw.replace("_", " "))
     ranks = group.get("fault_ranks")
     if ranks:
         ranks = ranks if isinstance(ranks, (list, tuple, set)) else [ranks]
@@ -150,12 +163,16 @@ def build_summary(
     done = _of(events, "done")
     accuracy = done[-1]["accuracy"] if done else None
     good = _goodput(events, wall_s)
-    complete = bool(done) and good["steps_completed"] >= steps
-    ok = (
-        all(r["recovered"] for r in rows)
-        and accuracy is not None and accuracy >= accuracy_target
-        and complete and not timed_out
-    )
+    problems = [f"{spec.label} not recovered ({row['detected_by']})"
+                for spec, row in zip(faults, rows) if not row["recovered"]]
+    if accuracy is None:
+        problems.append("training did not finish (no accuracy)")
+    elif accuracy < accuracy_target:
+        problems.append(f"accuracy {accuracy:.4f} < {accuracy_target}")
+    if accuracy is not None and good["steps_completed"] < steps:
+        problems.append(f"only {good['steps_completed']}/{steps} steps completed")
+    if timed_out:
+        problems.append("the global timeout expired")
     return {
         "faults": rows,
         "accuracy": accuracy,
@@ -168,7 +185,8 @@ def build_summary(
         "unplanned_restarts": [g for t, g in groups.items() if t not in matched],
         "exits": {str(k): v for k, v in sorted((exits or {}).items())},
         "timed_out": timed_out,
-        "ok": ok,
+        "problems": problems,
+        "ok": not problems,
     }
 
 
@@ -176,27 +194,46 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def render_table(summary: dict) -> Any:
-    """A rich renderable: the fault table and the run's totals."""
-    from rich.console import Group
+_COLUMNS = (  # (header, summary key or callable)
+    ("fault", lambda r: f"{r['kind']} rank {r['rank']} step {r['step']}"),
+    ("detected by", lambda r: str(r["detected_by"])),
+    ("detection\n(s)", lambda r: _fmt(r["detection_s"])),
+    ("restart\n(s)", lambda r: _fmt(r["restart_s"])),
+    ("training\nagain (s)", lambda r: _fmt(r["recovery_s"])),
+    ("steps\nlost", lambda r: "-" if r["steps_lost"] is None else str(r["steps_lost"])),
+    ("world size\nafter", lambda r: "-" if r["world_size_after"] is None else str(r["world_size_after"])),
+    ("recovered", lambda r: "yes" if r["recovered"] else "NO"),
+)
+
+
+def _fault_table(faults: list[dict], narrow: bool) -> Any:
+    from rich import box
     from rich.table import Table
+
+    table = Table(title="trainguard demo: faults and recovery", title_style="bold", box=box.SIMPLE_HEAD)
+    if narrow:  # one column per fault, one row per measure
+        table.show_header = False
+        table.add_column("")
+        for _ in faults:
+            table.add_column("", overflow="fold")
+        for header, get in _COLUMNS:
+            table.add_row(header.replace("\n", " "), *(get(r) for r in faults))
+        return table
+    for header, _ in _COLUMNS:
+        text = header in ("fault", "detected by")
+        table.add_column(header, justify="left" if text else "right", no_wrap=not text, min_width=14 if text else None)
+    for r in faults:
+        table.add_row(*(get(r) for _, get in _COLUMNS), style=None if r["recovered"] else "red")
+    return table
+
+
+def render_table(summary: dict, width: int | None = None) -> Any:
+    """A rich renderable: the fault table and the run's totals; ``width`` (columns) below 110
+    turns the table so it fits a narrow terminal."""
+    from rich.console import Group
     from rich.text import Text
 
-    table = Table(title="trainguard demo: faults and recovery", title_style="bold")
-    for name, justify in (
-        ("fault", "left"), ("rank", "right"), ("step", "right"), ("detected by", "left"),
-        ("detection (s)", "right"), ("restart (s)", "right"), ("steps lost", "right"),
-        ("world size after", "right"), ("recovered", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name != "detected by")
-    for r in summary["faults"]:
-        table.add_row(
-            r["kind"], str(r["rank"]), str(r["step"]), str(r["detected_by"]),
-            _fmt(r["detection_s"]), _fmt(r["restart_s"]),
-            "-" if r["steps_lost"] is None else str(r["steps_lost"]),
-            "-" if r["world_size_after"] is None else str(r["world_size_after"]),
-            Text("yes", style="green") if r["recovered"] else Text("NO", style="bold red"),
-        )
+    table = _fault_table(summary["faults"], narrow=width is not None and width < 110)
     acc = summary["accuracy"]
     lines = [
         f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})" if acc is not None
@@ -209,7 +246,6 @@ def render_table(summary: dict) -> Any:
         f"steps {summary['steps_completed']}/{summary['steps']}, restarts {summary['restarts']}"
         + (f" ({len(summary['unplanned_restarts'])} unplanned)" if summary["unplanned_restarts"] else ""),
     ]
-    if summary["timed_out"]:
-        lines.append("the demo's global timeout expired")
-    status = Text("PASS" if summary["ok"] else "FAIL", style="bold green" if summary["ok"] else "bold red")
+    verdict = "PASS" if summary["ok"] else "FAIL: " + "; ".join(summary["problems"])
+    status = Text(verdict, style="bold green" if summary["ok"] else "bold red")
     return Group(table, *(Text(line) for line in lines), status)

@@ -86,9 +86,9 @@ def parse_faults(text: str) -> list[FaultSpec]:
 def validate_faults(faults: list[FaultSpec], *, ranks: int, reserve: int, steps: int) -> None:
     """Check a parsed schedule against the run's shape.
 
-    Rules: the rank must exist; the step must be one the run executes; initial rank 0 may not be
-    killed (its process hosts the coordination store, whose loss ends the whole job); at
-    least one active rank must survive every ``sigkill`` (replacements come from the reserve).
+    Rules: the rank must exist; the step must be one the run executes; some rank must survive
+    all the ``sigkill`` faults. (Killing initial rank 0 is fine: the wrapper hosts the store in
+    that rank's monitor process, which outlives it.)
 
     Raises:
         ConfigError: naming the offending fault and how to fix it.
@@ -102,11 +102,12 @@ def validate_faults(faults: list[FaultSpec], *, ranks: int, reserve: int, steps:
             )
         if f.step > steps:
             raise ConfigError(f"fault {f.label}: step {f.step} is past the last step ({steps}); raise --steps")
-        if f.rank == 0 and f.kind == "sigkill":
+    killed = {f.rank: f.step for f in sorted(faults, key=lambda f: -f.step) if f.kind == "sigkill"}
+    for f in faults:
+        if f.rank in killed and f.step > killed[f.rank]:
             raise ConfigError(
-                f"fault {f.label}: rank 0's process hosts the coordination store, so killing it "
-                "ends the job; put this fault on another rank"
+                f"fault {f.label}: rank {f.rank} is killed at step {killed[f.rank]}, so a later "
+                "fault on it can never fire"
             )
-    kills = sum(f.kind == "sigkill" for f in faults)
-    if kills >= total:
-        raise ConfigError(f"{kills} sigkill faults would remove all {total} ranks; add reserve ranks")
+    if len(killed) >= total:
+        raise ConfigError(f"sigkill faults would remove all {total} ranks; add reserve ranks")

@@ -41,28 +41,45 @@ def _shade_restarts(axes, events: dict[int, list[dict]], t0: float) -> None:
         )
 
 
+def _bar(ax, rank: int, start: float, end: float, **style) -> None:
+    ax.broken_barh([(start, max(end - start, 0.01))], (rank - 0.35, 0.7), **style)
+
+
+def _lane(ax, rank: int, evs: list[dict], per_it: dict, colors: dict, restarts: dict, t0: float) -> None:
+    start = next((e["t"] - t0 for e in evs if e["ev"] == "start"), 0.0)
+    enter = next((e["t_fn"] - t0 for e in evs if e["ev"] == "enter" and "t_fn" in e), None)
+    last = max((e["t"] - t0 for e in evs), default=start)
+    _bar(ax, rank, start, enter if enter is not None else last, color="0.85")
+    for e in evs:
+        if e["ev"] == "enter" and e["iteration"] in per_it and "t_fn" in e:  # set-up + reload
+            _bar(ax, rank, e["t_fn"] - t0, per_it[e["iteration"]][0][0], color=colors[e["iteration"]], alpha=0.35)
+    for it, points in sorted(per_it.items()):
+        _bar(ax, rank, points[0][0], points[-1][0], color=colors[it])
+    for e in evs:
+        if e["ev"] == "fault":
+            marker, color = _FAULT_STYLE.get(e["kind"], ("o", "red"))
+            group = restarts.get(e["iteration"] + 1)
+            if e["kind"] == "hang" and group and group["detection_time"]:
+                _bar(ax, rank, e["t"] - t0, group["detection_time"] - t0, facecolor="none",
+                     edgecolor=color, hatch="///")
+            ax.plot(e["t"] - t0, rank, marker=marker, color=color, ms=11, mec="white")
+            ax.annotate(e["kind"], (e["t"] - t0, rank + 0.38), fontsize=8, ha="center", va="top", color=color)
+        elif e["ev"] == "exit":
+            ax.plot(e["t"] - t0, rank, marker="|", color="black", ms=14)
+
+
 def _lanes(ax, events: dict[int, list[dict]], series, t0: float) -> None:
-    cmap = _iteration_colors(series)
+    colors = _iteration_colors(series)
+    restarts = restart_groups(events)
     for rank, evs in sorted(events.items()):
-        start = next((e["t"] - t0 for e in evs if e["ev"] == "start"), 0.0)
-        enter = next((e["t"] - t0 for e in evs if e["ev"] == "enter"), None)
-        end_evs = [e for e in evs if e["ev"] in ("exit", "fault", "step")]
-        idle_end = enter if enter is not None else (end_evs[-1]["t"] - t0 if end_evs else start)
-        ax.broken_barh([(start, max(idle_end - start, 0.01))], (rank - 0.35, 0.7), color="0.85")
-        for it, points in sorted(series[rank].items()):
-            t_first, t_last = points[0][0], points[-1][0]
-            ax.broken_barh([(t_first, max(t_last - t_first, 0.01))], (rank - 0.35, 0.7), color=cmap[it])
-        for e in evs:
-            if e["ev"] == "fault":
-                marker, color = _FAULT_STYLE.get(e["kind"], ("o", "red"))
-                ax.plot(e["t"] - t0, rank, marker=marker, color=color, ms=11, mec="white")
-                ax.annotate(e["kind"], (e["t"] - t0, rank + 0.38), fontsize=8, ha="center", color=color)
-            elif e["ev"] == "exit":
-                ax.plot(e["t"] - t0, rank, marker="|", color="black", ms=14)
+        _lane(ax, rank, evs, series[rank], colors, restarts, t0)
     ax.set_yticks(sorted(events), [f"rank {r}" for r in sorted(events)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since launch")
-    ax.set_title("ranks: grey = start-up / reserve, colour = training iteration, | = exit", fontsize=9)
+    ax.set_title(
+        "grey: start-up / reserve · pale: process group + checkpoint reload · colour: training "
+        "(by iteration) · hatched: hung · |: exit", fontsize=9,
+    )
 
 
 def _iteration_colors(series) -> dict[int, tuple]:
@@ -103,6 +120,11 @@ def plot_timeline(events: dict[int, list[dict]], path: str | os.PathLike, t0: fl
     top.grid(alpha=0.3)
     _lanes(bottom, events, series, t0)
     _shade_restarts((top, bottom), events, t0)
+    starts = [e["t"] - t0 for evs in events.values() for e in evs if e["ev"] == "start"]
+    if starts:  # the time before is interpreter + torch import; say so instead of drawing it
+        bottom.set_xlim(left=min(starts) - 0.5)
+        bottom.annotate(f"ranks started {min(starts):.1f}-{max(starts):.1f} s after launch (imports)",
+                        (0.005, -0.2), xycoords="axes fraction", fontsize=8, color="0.4")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from trainguard.errors import ConfigError
@@ -112,9 +113,10 @@ def _run(args: argparse.Namespace) -> int:
     from trainguard._demo._data import prepare_split
     from trainguard._demo._launch import launch
 
+    started = time.monotonic()
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the table on one line a row
-        console = Console(width=max(console.width, 130))
+        console = Console(width=max(console.width, 160))
     clear_run_files(config.root)
     sizes = prepare_split(config.data_path, config.seed)
     config_path = config.save()
@@ -128,17 +130,17 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print("[bold red]interrupted; every rank was stopped")
         return 130
-    return _finish(config, result, console)
+    return _finish(config, result, console, wall_s=time.monotonic() - started)
 
 
-def _finish(config, result, console) -> int:
+def _finish(config, result, console, wall_s: float) -> int:
     from trainguard._demo._events import read_events
     from trainguard._demo._report import build_summary, render_table
     from trainguard._demo._timeline import plot_timeline
 
     events = read_events(config.root / "events")
     summary = build_summary(
-        events, list(config.faults), steps=config.steps, wall_s=result.wall_s,
+        events, list(config.faults), steps=config.steps, wall_s=wall_s,
         exits=result.exits, timed_out=result.timed_out,
     )
     summary["helpers_killed_by_parent"] = result.leftover
@@ -150,6 +152,6 @@ def _finish(config, result, console) -> int:
     plot_timeline(events, png, result.t0, title=title)
     summary["timeline"] = str(png)
     (config.root / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(render_table(summary))
+    console.print(render_table(summary, width=console.width))
     console.print(f"summary: {config.root / 'summary.json'}  timeline: {png}  logs: {config.root / 'logs'}")
     return 0 if summary["ok"] else 1

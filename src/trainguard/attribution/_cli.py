@@ -70,7 +70,12 @@ def _run_analysis(args) -> dict[str, Any]:
             out["llm"] = LlmExplainer(args.llm_url, args.llm_model,
                                       os.environ.get("TRAINGUARD_LLM_API_KEY")).explain(out)
     if args.fr_dir:
-        out["flight_recorder"] = analyze_flight_recorder(args.fr_dir).to_dict()
+        fr = out["flight_recorder"] = analyze_flight_recorder(args.fr_dir).to_dict()
+        if out.get("primary_category") == "collective_timeout" and not out["culprit_ranks"] \
+                and fr["faulty_ranks"]:
+            # the log cannot say who hung; the dumps can
+            out["culprit_ranks"] = fr["faulty_ranks"]
+            out["reason"] += f" Flight recorder: ranks {fr['faulty_ranks']} are stuck."
     return out
 
 

@@ -70,6 +70,7 @@ class Registry:
     categories: dict[str, Category]
     patterns: list[Pattern]
     progress: list[ProgressPattern]
+    exit_codes: dict[int, str] = field(default_factory=dict)
     triggers: tuple[bytes, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -147,7 +148,11 @@ def parse_registry(text: str, path: str = "<string>") -> Registry:
                                             re.compile(row["regex"], re.IGNORECASE)))
         except (KeyError, re.error) as exc:
             raise _bad(path, f"progress row {row!r} is invalid: {exc}") from exc
-    return Registry(cats, patterns, progress)
+    exit_codes = {int(k): str(v) for k, v in (doc.get("exit_codes") or {}).items()}
+    bad = sorted(set(exit_codes.values()) - set(CATEGORIES))
+    if bad:
+        raise _bad(path, f"exit_codes map to unknown categories {bad}")
+    return Registry(cats, patterns, progress, exit_codes)
 
 
 def load_registry(path: str | None = None) -> Registry:

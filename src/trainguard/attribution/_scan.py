@@ -100,35 +100,41 @@ def _decode(raw: bytes, state: ScanState, name: str) -> str:
 
 
 def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanState, pos) -> None:
+    """Feed identity/checkpoint facts into the maps, keyed by the row's named groups."""
     g = {k: v for k, v in groups.items() if v is not None}
     if "world" in g:
         state.world_size = max(state.world_size or 0, int(g["world"]))
-    if pat.id == "nccl_comm_rank" and ctx.node and ctx.pid is not None:
-        prev = state.pid_rank.get((ctx.node, ctx.pid))
-        if prev is None or int(g["world"]) >= prev[0]:
-            state.pid_rank[(ctx.node, ctx.pid)] = (int(g["world"]), int(g["rank"]))
-    elif pat.id == "nccl_bootstrap_ip" and ctx.node:
+    if "ip" in g and ctx.node:
         state.ip_host.setdefault(g["ip"], ctx.node)
-    elif pat.id == "torchrun_record_host":
-        state._record_host = g["host"]
-    elif pat.id == "torchrun_record_rank":
-        state._record_rank = int(g["rank"])
+    if "record_host" in g:
+        state._record_host = g["record_host"]
+    if "record_rank" in g:
+        state._record_rank = int(g["record_rank"])
         if state._record_host:
             state.rank_host.setdefault(state._record_rank, state._record_host)
-    elif pat.id == "torchrun_record_exit" and state._record_rank is not None:
-        state.exit_records.append((state._record_rank, state._record_host, int(g["code"])))
+    if "record_exit" in g and state._record_rank is not None:
+        state.exit_records.append((state._record_rank, state._record_host, int(g["record_exit"])))
         state._record_rank = None
-    elif "rank" in g:
-        rank = int(g["rank"])
-        if ctx.task is not None:
-            state.task_ranks[ctx.task].add(rank)
-        if "host" in g:
-            state.rank_host.setdefault(rank, g["host"])
-            if ctx.task is not None:
-                state.task_host.setdefault(ctx.task, g["host"])
+    if "rank" in g:
+        _rank_fact(int(g["rank"]), g, ctx, state)
     if pat.role == "checkpoint":
         step = g.get("step") or g.get("step2")
         state.last_checkpoint = (pos, int(step) if step else None)
+
+
+def _rank_fact(rank: int, g: dict[str, str], ctx: LineContext, state: ScanState) -> None:
+    if "world" in g and ctx.node and ctx.pid is not None:
+        # NCCL communicator init on host:pid; the widest communicator gives the global rank
+        prev = state.pid_rank.get((ctx.node, ctx.pid))
+        if prev is None or int(g["world"]) >= prev[0]:
+            state.pid_rank[(ctx.node, ctx.pid)] = (int(g["world"]), rank)
+        return
+    if ctx.task is not None:
+        state.task_ranks[ctx.task].add(rank)
+    if "host" in g:
+        state.rank_host.setdefault(rank, g["host"])
+        if ctx.task is not None:
+            state.task_host.setdefault(ctx.task, g["host"])
 
 
 def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanState) -> None:

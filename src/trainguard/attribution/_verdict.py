@@ -22,10 +22,6 @@ from trainguard.attribution._scan import Match, ScanState
 
 __all__ = ["build_result"]
 
-_SIGNAL_CATEGORY = {-9: "host_oom", 137: "host_oom", -11: "framework_crash", 139: "framework_crash",
-                    -6: "framework_crash", 134: "framework_crash", -7: "framework_crash"}
-
-
 def _first(state: ScanState, roles: set[str], pred=lambda p: True) -> list[Match]:
     out = []
     for ms in state.matches.values():
@@ -34,7 +30,7 @@ def _first(state: ScanState, roles: set[str], pred=lambda p: True) -> list[Match
     return out
 
 
-def _select(state: ScanState, job_ended: bool) -> tuple[str, list[Match], str]:
+def _select(state: ScanState, reg: Registry, job_ended: bool) -> tuple[str, list[Match], str]:
     decisive = _first(state, {"root", "confirmation"}, lambda p: p.tier >= 20)
     if decisive:
         top = max(m.pattern.tier for m in decisive)
@@ -51,7 +47,7 @@ def _select(state: ScanState, job_ended: bool) -> tuple[str, list[Match], str]:
     if exits:
         m = min(exits, key=lambda m: m.order)
         code = int(dict(m.groups).get("code", 0))
-        return _SIGNAL_CATEGORY.get(code, "unknown"), [m], "only a launcher exit record"
+        return reg.exit_codes.get(code, "unknown"), [m], "only a launcher exit record"
     if state.last_progress is not None and not job_ended:
         return "in_progress", [], "training progress is logged and nothing has failed"
     return "unknown", [], "no failure or progress evidence in the log"
@@ -127,7 +123,7 @@ def _confidence(chosen: list[Match], category: str, ids: list[str]) -> int:
 
 def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> AnalysisResult:
     """Turn a finished scan into an :class:`AnalysisResult` (decision from category policy)."""
-    category, chosen, basis = _select(state, job_ended)
+    category, chosen, basis = _select(state, reg, job_ended)
     cat = reg.categories[category]
     ids = _primary_ids(state, category, chosen)
     ranks = _culprit_ranks(state, reg, category, ids)

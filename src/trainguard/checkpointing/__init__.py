@@ -7,7 +7,11 @@
 * :func:`storage_for` - local filesystem (default) or any fsspec URL.
 """
 
-from trainguard.checkpointing.async_ckpt import AsyncCheckpointer, SaveRequest, abort_all_checkpointers
+from trainguard.checkpointing.async_ckpt import (
+    AsyncCheckpointer,
+    SaveRequest,
+    abort_all_checkpointers,
+)
 from trainguard.checkpointing.errors import (
     CheckpointError,
     CheckpointMismatchError,

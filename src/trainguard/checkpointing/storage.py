@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import xxhash
 
-__all__ = ["AtomicFile", "FsspecStorage", "LocalStorage", "Storage", "TMP_MARK", "storage_for"]
+__all__ = ["TMP_MARK", "AtomicFile", "FsspecStorage", "LocalStorage", "Storage", "storage_for"]
 
 TMP_MARK = ".tmp."  # every temporary name contains this; GC removes stale ones
 
@@ -66,7 +66,7 @@ class AtomicFile(ABC):
     def abort(self) -> None:
         """Discard the temporary file (idempotent, never raises)."""
 
-    def __enter__(self) -> AtomicFile:
+    def __enter__(self) -> AtomicFile:  # noqa: PYI034
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -237,7 +237,7 @@ class _FsspecAtomicFile(AtomicFile):
         try:
             if self.f is not None:
                 self.f.close()
-        except Exception:  # an aborting upload may fail again; nothing to recover
+        except Exception:  # noqa: BLE001, S110 - an aborting upload may fail again; nothing to do
             pass
         self.f = None
         try:

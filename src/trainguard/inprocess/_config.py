@@ -6,7 +6,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch.distributed as dist
 
@@ -15,7 +15,7 @@ from trainguard.errors import ConfigError
 
 __all__ = ["DEFAULTS", "WrapperConfig", "validate"]
 
-Duration = Union[timedelta, float, int]
+Duration = timedelta | float | int
 
 #: Defaults in seconds, chosen for sub-second restarts (see ``Wrapper`` docstring).
 DEFAULTS: dict[str, float] = {
@@ -35,15 +35,15 @@ DEFAULTS: dict[str, float] = {
 
 @dataclasses.dataclass(frozen=True)
 class WrapperConfig:
-    store_factory: Optional[Callable[..., Any]]
+    store_factory: Callable[..., Any] | None
     store_kwargs: dict
-    initialize: Optional[Callable]
-    abort: Optional[Callable]
-    finalize: Optional[Callable]
-    health_check: Optional[Callable]
+    initialize: Callable | None
+    abort: Callable | None
+    finalize: Callable | None
+    health_check: Callable | None
     rank_assignment: Callable
-    completion: Optional[Callable]
-    terminate: Optional[Callable]
+    completion: Callable | None
+    terminate: Callable | None
     monitor_thread_interval_s: float
     monitor_process_interval_s: float
     heartbeat_interval_s: float
@@ -55,8 +55,8 @@ class WrapperConfig:
     completion_timeout_s: float
     last_call_wait_s: float
     termination_grace_time_s: float
-    monitor_process_logfile: Optional[str]
-    monitor_process_pidfile: Optional[str]
+    monitor_process_logfile: str | None
+    monitor_process_pidfile: str | None
 
     @property
     def wait_chunk_s(self) -> float:
@@ -76,13 +76,13 @@ def _check(cond: bool, text: str, **values: float) -> None:
         raise ConfigError(f"Wrapper: need {text}, got {shown}")
 
 
-def _hook(name: str, value: Any) -> Optional[Callable]:
+def _hook(name: str, value: Any) -> Callable | None:
     if value is not None and not callable(value):
         raise TypeError(f"Wrapper: {name} must be callable or None, got {value!r}")
     return value
 
 
-def _path(name: str, value: Any) -> Optional[str]:
+def _path(name: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -104,7 +104,7 @@ class RestartRecord:
     fault_time: float
     detection_time: float
     interrupt_time: float
-    reentry_time: Optional[float] = None
+    reentry_time: float | None = None
     message: str = ""
 
     @property
@@ -113,7 +113,7 @@ class RestartRecord:
         return self.detection_time - self.fault_time
 
     @property
-    def restart_s(self) -> Optional[float]:
+    def restart_s(self) -> float | None:
         """Seconds from the fault to this rank's re-entry (None before re-entry)."""
         return None if self.reentry_time is None else self.reentry_time - self.fault_time
 
@@ -176,7 +176,7 @@ class Keys:
     def pg_prefix(self, iteration: int) -> str:
         return f"{self.base}/i{iteration}/pg/"
 
-    def assignment_prefix(self, iteration: Optional[int]) -> str:
+    def assignment_prefix(self, iteration: int | None) -> str:
         tail = "ra_init" if iteration is None else f"i{iteration}/ra"
         return f"{self.base}/{tail}/"
 
@@ -283,7 +283,7 @@ class StoreAddress:
 
 
 def resolve_store_address(
-    store_kwargs: Mapping[str, Any], world_size: int, environ: Optional[Mapping[str, str]] = None
+    store_kwargs: Mapping[str, Any], world_size: int, environ: Mapping[str, str] | None = None
 ) -> StoreAddress:
     """Address of the default TCPStore.
 

@@ -22,7 +22,7 @@ def _mentions(annotation: Any, cls: type) -> bool:
     if annotation is cls:
         return True
     if isinstance(annotation, str):
-        text = annotation.replace(" ", "")
+        text = annotation.replace(" ", "").replace("'", "").replace('"', "")
         return any(part.split(".")[-1] == cls.__name__
                    for part in text.replace("[", ",").replace("]", ",").replace("|", ",")
                    .split(","))

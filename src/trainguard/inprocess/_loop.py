@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -242,7 +242,7 @@ class LoopMixin:
         except StoreBarrierTimeout as exc:
             raise BarrierTimeout(f"iteration barrier {it}: {exc}", exc.arrived) from exc
 
-    def reassign(self, iteration: Optional[int]) -> None:
+    def reassign(self, iteration: int | None) -> None:
         """Run rank assignment for the iteration after ``iteration`` (None: the first)."""
         if iteration is None:
             terminated: set[int] = set()
@@ -278,18 +278,18 @@ class LoopMixin:
             try:
                 co.report_departure(self.store, self.keys, self.state.iteration, rec,
                                     max(self.state.world_size, 1))
-            except Exception:  # noqa: BLE001 - store gone: the monitors will notice us leave
+            except Exception:
                 log.exception("could not record this rank's departure")
         self.block.set("phase", Phase.DONE)
         if self.cfg.terminate is not None:
             self.cfg.terminate(self.state.freeze())
 
 
-def env_snapshot() -> dict[str, Optional[str]]:
+def env_snapshot() -> dict[str, str | None]:
     return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
 
 
-def env_restore(saved: dict[str, Optional[str]]) -> None:
+def env_restore(saved: dict[str, str | None]) -> None:
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -15,6 +15,7 @@ reaps it), deadlines on a clock, pidfd death detection, store hosting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,6 @@ import select
 import signal
 import time
 from collections.abc import Callable
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -49,9 +49,9 @@ class MonitorConfig:
     grace_s: float
     collective_grace_s: float
     watchdog_interval_s: float
-    logfile: Optional[str] = None
-    pidfile: Optional[str] = None
-    host: Optional[co.StoreAddress] = None  # set: host the default TCPStore here
+    logfile: str | None = None
+    pidfile: str | None = None
+    host: co.StoreAddress | None = None  # set: host the default TCPStore here
 
 
 class MonitorProcess:
@@ -135,17 +135,15 @@ def _child(cfg, block, store_fn, cmd_r, status_w, trainer_pid) -> None:
         _redirect_stdio(cfg.logfile)
         log = _child_logger(cfg)
         _Monitor(cfg, block, store_fn, cmd_r, status_w, trainer_pid, log).run()
-    except BaseException:  # noqa: BLE001 - the child must never return into the trainer's code
+    except BaseException:  # the child must never return into the trainer's code
         code = 1
-        try:
+        with contextlib.suppress(BaseException):
             logging.getLogger("trainguard.inprocess.monitor").exception("monitor failed")
-        except BaseException:  # noqa: BLE001
-            pass
     finally:
         os._exit(code)
 
 
-def _redirect_stdio(logfile: Optional[str]) -> None:
+def _redirect_stdio(logfile: str | None) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     out = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if logfile else null
     os.dup2(null, 0)
@@ -177,8 +175,8 @@ class _Monitor:
         self.store_fn, self.cmd_r, self.status_w = store_fn, cmd_r, status_w
         self.trainer = trainer_pid
         self.pidfd = _pidfd(trainer_pid)
-        self.store: Optional[dist.Store] = None
-        self.keys: Optional[co.Keys] = None
+        self.store: dist.Store | None = None
+        self.keys: co.Keys | None = None
         self.buf = b""
         self.stopping = False
         self.next_hb = 0.0
@@ -197,10 +195,10 @@ class _Monitor:
         while not self.stopping:
             fds = [self.cmd_r] + ([self.pidfd] if self.pidfd is not None else [])
             ready, _, _ = select.select(fds, [], [], tick)
-            if self.pidfd in ready or (self.cmd_r in ready and not self._read_cmds()):
-                if not self.stopping:
-                    self._on_death(co.Cause.TERMINATED, "process died")
-                    break
+            gone = self.pidfd in ready or (self.cmd_r in ready and not self._read_cmds())
+            if gone and not self.stopping:
+                self._on_death(co.Cause.TERMINATED, "process died")
+                break
             if not self.stopping and os.getppid() != self.trainer:
                 self._on_death(co.Cause.TERMINATED, "process died")
                 break
@@ -365,7 +363,7 @@ class _Monitor:
                           self.cfg.initial_world_size, 0.0)
 
 
-def _pidfd(pid: int) -> Optional[int]:
+def _pidfd(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):

@@ -23,11 +23,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -45,7 +45,7 @@ INTERRUPT_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2) + (
 )
 
 
-def _set_async_exc(ident: int, exc: Optional[type]) -> None:
+def _set_async_exc(ident: int, exc: type | None) -> None:
     fn = ctypes.pythonapi.PyThreadState_SetAsyncExc
     fn(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else ctypes.c_void_p(0))
 
@@ -57,7 +57,7 @@ class Interrupter:
         self.ident = threading.get_ident()
         self.on_main = threading.current_thread() is threading.main_thread()
         self._lock = threading.Lock()
-        self._pending: Optional[str] = None
+        self._pending: str | None = None
         self._claimed = True
         self._prev = None
         self._installed = False
@@ -70,6 +70,7 @@ class Interrupter:
 
     def restore(self) -> None:
         self.close()
+        self.restore_unraisable_hook()
         if self._installed:
             signal.signal(INTERRUPT_SIGNAL, self._prev)
             self._installed = False
@@ -92,6 +93,33 @@ class Interrupter:
             signal.pthread_kill(self.ident, INTERRUPT_SIGNAL)
         else:
             _set_async_exc(self.ident, RankShouldRestart)
+
+    def unclaim(self) -> None:
+        """The delivered interrupt was swallowed (e.g. raised inside ``__del__``): deliver anew."""
+        with self._lock:
+            if self._pending is None:
+                return
+            self._claimed = False
+        self.fire(self._pending)
+
+    def install_unraisable_hook(self) -> None:
+        """Catch a RankShouldRestart that CPython reports as unraisable and re-deliver it."""
+        self._prev_unraisable = sys.unraisablehook
+
+        def hook(unraisable) -> None:
+            if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
+                                                              RankShouldRestart):
+                self.unclaim()
+            else:
+                self._prev_unraisable(unraisable)
+
+        sys.unraisablehook = hook
+
+    def restore_unraisable_hook(self) -> None:
+        prev = getattr(self, "_prev_unraisable", None)
+        if prev is not None:
+            sys.unraisablehook = prev
+            self._prev_unraisable = None
 
     def _handler(self, signum, frame) -> None:
         with self._lock:
@@ -125,7 +153,7 @@ class MonitorThread(threading.Thread):
         store: dist.Store,
         keys: co.Keys,
         iteration: int,
-        abort: Optional[Callable],
+        abort: Callable | None,
         frozen_state_fn: Callable,
         interrupter: Interrupter,
         atomic_lock: threading.RLock,
@@ -142,7 +170,7 @@ class MonitorThread(threading.Thread):
         self._state_lock = threading.Lock()
         self._stopped = threading.Event()
         self.firing = False
-        self.info: Optional[RestartInfo] = None
+        self.info: RestartInfo | None = None
 
     def run(self) -> None:
         key = self.keys.it(self.iteration, "interrupted")
@@ -177,9 +205,11 @@ class MonitorThread(threading.Thread):
             self.interrupter.fire(co.summarize(records))
         finally:
             self.atomic_lock.release()
-        while not self._stopped.wait(self.resend_s) and not self.interrupter.claimed:
-            _log.warning("restart interrupt not yet delivered; sending it again")
-            self.interrupter.fire(co.summarize(records))
+        # Until the main thread takes over (stop), re-send an undelivered or swallowed interrupt.
+        while not self._stopped.wait(self.resend_s):
+            if not self.interrupter.claimed:
+                _log.warning("restart interrupt not yet delivered; sending it again")
+                self.interrupter.fire(co.summarize(records))
 
     def _run_abort(self) -> None:
         if self.abort is not None:

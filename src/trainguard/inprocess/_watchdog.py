@@ -24,7 +24,6 @@ import mmap
 import sys
 import threading
 import time
-from typing import Optional
 
 __all__ = ["Phase", "ProgressBlock", "ProgressWatchdog"]
 
@@ -78,7 +77,7 @@ class ProgressBlock:
         fresh = time.monotonic() - self._v[_INDEX["sampled_at"]] <= max_sample_age_s
         return fresh and self._v[_INDEX["in_collective"]] > 0
 
-    def age_s(self, now: Optional[float] = None) -> float:
+    def age_s(self, now: float | None = None) -> float:
         """Seconds since the older of the automatic and (armed) manual stamps."""
         now = time.monotonic() if now is None else now
         manual = self._v[1]
@@ -88,10 +87,10 @@ class ProgressBlock:
 # One callback object for the interpreter's lifetime: a queued pending call may run after the
 # watchdog that queued it has stopped, so the function pointer must never be freed.
 _PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-_target: Optional[ProgressBlock] = None
+_target: ProgressBlock | None = None
 
 
-def _stamp(_arg: Optional[int]) -> int:
+def _stamp(_arg: int | None) -> int:
     block = _target
     if block is not None:
         block.touch()

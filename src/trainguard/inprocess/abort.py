@@ -72,11 +72,9 @@ class AbortTorchDistributed(Abort):
             groups = [dist.group.WORLD]
         threads = []
         for pg in groups:
-            try:
-                backend = pg._get_backend(torch.device("cuda"))
-            except Exception:  # noqa: BLE001 - group without a CUDA backend
-                continue
+            backend = _cuda_backend(pg)
             abort = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
+            abort = abort if backend is not None else None
             if abort is None:
                 continue
             t = threading.Thread(target=abort, name="trainguard-nccl-abort", daemon=True)
@@ -84,3 +82,10 @@ class AbortTorchDistributed(Abort):
             threads.append(t)
         for t in threads:
             t.join(self.timeout_s)
+
+
+def _cuda_backend(pg):
+    try:
+        return pg._get_backend(torch.device("cuda"))
+    except Exception:  # noqa: BLE001 - a group without a CUDA backend
+        return None

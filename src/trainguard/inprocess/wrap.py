@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,15 +99,15 @@ class Wrapper:
     def __init__(
         self,
         *,
-        store_factory: Optional[Callable[..., dist.Store]] = None,
-        store_kwargs: Optional[Mapping[str, Any]] = None,
-        initialize: Optional[Callable] = None,
-        abort: Optional[Callable] = _DEFAULT,
-        finalize: Optional[Callable] = None,
-        health_check: Optional[Callable] = None,
+        store_factory: Callable[..., dist.Store] | None = None,
+        store_kwargs: Mapping[str, Any] | None = None,
+        initialize: Callable | None = None,
+        abort: Callable | None = _DEFAULT,
+        finalize: Callable | None = None,
+        health_check: Callable | None = None,
         rank_assignment: Callable = _DEFAULT,
-        completion: Optional[Callable] = None,
-        terminate: Optional[Callable] = None,
+        completion: Callable | None = None,
+        terminate: Callable | None = None,
         monitor_thread_interval: Duration = DEFAULTS["monitor_thread_interval"],
         monitor_process_interval: Duration = DEFAULTS["monitor_process_interval"],
         heartbeat_interval: Duration = DEFAULTS["heartbeat_interval"],
@@ -119,31 +119,31 @@ class Wrapper:
         completion_timeout: Duration = DEFAULTS["completion_timeout"],
         last_call_wait: Duration = DEFAULTS["last_call_wait"],
         termination_grace_time: Duration = DEFAULTS["termination_grace_time"],
-        monitor_process_logfile: Optional[str] = None,
-        monitor_process_pidfile: Optional[str] = None,
+        monitor_process_logfile: str | None = None,
+        monitor_process_pidfile: str | None = None,
         enabled: bool = True,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"Wrapper: enabled must be a bool, got {enabled!r}")
         self.enabled = enabled
-        durations = dict(
-            monitor_thread_interval=monitor_thread_interval,
-            monitor_process_interval=monitor_process_interval,
-            heartbeat_interval=heartbeat_interval,
-            progress_watchdog_interval=progress_watchdog_interval,
-            soft_timeout=soft_timeout, hard_timeout=hard_timeout,
-            heartbeat_timeout=heartbeat_timeout, barrier_timeout=barrier_timeout,
-            completion_timeout=completion_timeout, last_call_wait=last_call_wait,
-            termination_grace_time=termination_grace_time,
-        )
-        hooks = dict(
-            initialize=initialize,
-            abort=AbortTorchDistributed() if abort is _DEFAULT else abort,
-            finalize=finalize, health_check=health_check,
-            rank_assignment=(_default_rank_assignment() if rank_assignment is _DEFAULT
+        durations = {
+            "monitor_thread_interval": monitor_thread_interval,
+            "monitor_process_interval": monitor_process_interval,
+            "heartbeat_interval": heartbeat_interval,
+            "progress_watchdog_interval": progress_watchdog_interval,
+            "soft_timeout": soft_timeout, "hard_timeout": hard_timeout,
+            "heartbeat_timeout": heartbeat_timeout, "barrier_timeout": barrier_timeout,
+            "completion_timeout": completion_timeout, "last_call_wait": last_call_wait,
+            "termination_grace_time": termination_grace_time,
+        }
+        hooks = {
+            "initialize": initialize,
+            "abort": AbortTorchDistributed() if abort is _DEFAULT else abort,
+            "finalize": finalize, "health_check": health_check,
+            "rank_assignment": (_default_rank_assignment() if rank_assignment is _DEFAULT
                              else rank_assignment),
-            completion=completion, terminate=terminate,
-        )
+            "completion": completion, "terminate": terminate,
+        }
         self.config: WrapperConfig = validate(
             durations, hooks, store_factory, store_kwargs,
             monitor_process_logfile, monitor_process_pidfile,
@@ -194,7 +194,7 @@ class CallWrapper:
         return list(self._rt.records)
 
     @property
-    def last_restart(self) -> Optional[RestartRecord]:
+    def last_restart(self) -> RestartRecord | None:
         return self._rt.records[-1] if self._rt.records else None
 
     def ping(self) -> None:
@@ -228,7 +228,7 @@ class CallWrapper:
             yield
 
     def init_process_group(
-        self, backend: Optional[str] = None, timeout: Optional[Duration] = None, **kwargs: Any
+        self, backend: str | None = None, timeout: Duration | None = None, **kwargs: Any
     ) -> None:
         """``init_process_group`` for this iteration: rank/world size = active rank/size.
 
@@ -261,9 +261,9 @@ class _Runtime(LoopMixin):
         self.atomic_lock = threading.RLock()
         self.interrupter = Interrupter()
         self.block = ProgressBlock()
-        self.keys: Optional[co.Keys] = None
-        self.monitor: Optional[MonitorProcess] = None
-        self.watchdog: Optional[ProgressWatchdog] = None
+        self.keys: co.Keys | None = None
+        self.monitor: MonitorProcess | None = None
+        self.watchdog: ProgressWatchdog | None = None
         self.monitor_thread = None
         self.ret: Any = None
         self.hosting = False
@@ -307,11 +307,12 @@ class _Runtime(LoopMixin):
         self.watchdog = ProgressWatchdog(self.block, self.cfg.progress_watchdog_interval_s)
         self.watchdog.start()
         self.interrupter.install()
+        self.interrupter.install_unraisable_hook()
         self.keys = co.Keys(call_id)
         self._initial_barrier()
         self.reassign(None)
 
-    def _store_source(self) -> tuple[Callable[[], dist.Store], Optional[dist.Store], Optional[int]]:
+    def _store_source(self) -> tuple[Callable[[], dist.Store], dist.Store | None, int | None]:
         cfg = self.cfg
         if cfg.store_factory is None:
             addr = co.resolve_store_address(cfg.store_kwargs, self.state.initial_world_size)
@@ -325,7 +326,7 @@ class _Runtime(LoopMixin):
     def _monitor_config(self) -> MonitorConfig:
         c, r = self.cfg, self.state.initial_rank
 
-        def fill(path: Optional[str]) -> Optional[str]:
+        def fill(path: str | None) -> str | None:
             return None if path is None else path.replace("{rank}", str(r))
 
         return MonitorConfig(
@@ -358,14 +359,15 @@ class _Runtime(LoopMixin):
         if self.cfg.completion is not None:
             try:
                 self.cfg.completion(self.state.freeze())
-            except Exception:  # noqa: BLE001 - completion errors are logged only
+            except Exception:
                 log.exception("completion hook failed")
 
     def shutdown(self) -> None:
         """Stop threads, arrive at the termination barrier, stop and reap the monitor."""
         self.interrupter.restore()
-        if self.monitor_thread is not None:
-            self.monitor_thread.close(0.05)
+        if self.monitor_thread is not None:  # the store host must not vanish under its wait
+            join_s = self.cfg.monitor_thread_interval_s + 0.2 if self.hosting else 0.05
+            self.monitor_thread.close(join_s)
         if self.watchdog is not None:
             self.watchdog.close()
         self.block.set("phase", Phase.DONE)
@@ -373,7 +375,7 @@ class _Runtime(LoopMixin):
             try:
                 reentrant_barrier(self.store, self.keys.term_barrier, [self.state.initial_rank],
                                   self.state.initial_world_size, 0.0)
-            except Exception:  # noqa: BLE001 - store gone; the monitors cover for us
+            except Exception:
                 log.debug("termination barrier arrival failed", exc_info=True)
         if self.monitor is not None:
             wait_s = self.cfg.barrier_timeout_s + 5.0 if self.hosting else 5.0

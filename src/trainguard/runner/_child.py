@@ -110,6 +110,8 @@ class _Rank:
         spec = self.spec
         if spec.rank == 0:
             self.sender = Sender(spec.shm_prefix + "o", spec.shm_bytes)
+        if spec.shm_bytes:  # map the parent's up-front reservation while starting, not mid-call
+            self.receiver.attach(spec.shm_prefix + "i0")
         worker = self.worker = spec.worker_cls()
         device, backend = _pick_device(spec)
         worker.rank, worker.world_size, worker.device = spec.rank, spec.world_size, device

@@ -198,6 +198,8 @@ class DistributedRunner:
                     self._broadcast(proto.JOIN, bytes(body), "start", first=1)
                 elif kind == proto.LOADED:
                     pending.discard(rank)
+                    if rank == 0 and self._shm_bytes:  # rank 0's result reservation
+                        self._receiver.attach(self._prefix + "o0")
                 elif kind == proto.ERROR:
                     err = _Error(rank, body)
                     raise err.exc

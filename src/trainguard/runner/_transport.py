@@ -124,6 +124,10 @@ class Receiver:
             buffers = self._copy_out(src, spans)
         return pickle.loads(data, buffers=buffers)
 
+    def attach(self, name: str) -> None:
+        """Map the writer's segment ``name`` now (e.g. the up-front reservation at start-up)."""
+        self._attach(name)
+
     def _attach(self, name: str) -> ShmSegment:
         seg = self._seg
         if seg is None or seg.name != name:

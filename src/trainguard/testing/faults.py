@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from trainguard._core.net import free_port
 from trainguard._core.procs import terminate_processes
@@ -79,12 +79,12 @@ class Fault:
 
     rank: int
     kind: FaultKind
-    iteration: Optional[int] = None
-    step: Optional[int] = None
+    iteration: int | None = None
+    step: int | None = None
     duration_s: float = 3600.0
     exit_code: int = 1
 
-    def matches(self, rank: int, iteration: Optional[int], step: Optional[int]) -> bool:
+    def matches(self, rank: int, iteration: int | None, step: int | None) -> bool:
         return (rank == self.rank
                 and (self.iteration is None or self.iteration == iteration)
                 and (self.step is None or self.step == step))
@@ -112,11 +112,11 @@ class FaultPlan:
         return {PLAN_ENV: self.to_json()}
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> FaultPlan:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultPlan:
         env = os.environ if environ is None else environ
         return cls.from_json(env[PLAN_ENV]) if env.get(PLAN_ENV) else cls()
 
-    def check(self, rank: int, iteration: Optional[int] = None, step: Optional[int] = None) -> None:
+    def check(self, rank: int, iteration: int | None = None, step: int | None = None) -> None:
         """Fire the first not-yet-fired fault matching ``(rank, iteration, step)``."""
         for fault in self.faults:
             if fault not in self.fired and fault.matches(rank, iteration, step):
@@ -157,7 +157,7 @@ class RankResult:
     """Outcome of one launched rank: exit code, output, and its JSON result (None if none)."""
 
     rank: int
-    returncode: Optional[int]
+    returncode: int | None
     stdout: str
     stderr: str
     result: Any
@@ -169,8 +169,8 @@ def run_ranks(
     world_size: int,
     *,
     timeout_s: float,
-    env: Optional[Mapping[str, str]] = None,
-    plan: Optional[FaultPlan] = None,
+    env: Mapping[str, str] | None = None,
+    plan: FaultPlan | None = None,
     pythonpath: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[RankResult]:
@@ -244,4 +244,7 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    code = _main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (torch's takes seconds on a busy machine)

@@ -28,7 +28,11 @@ from trainguard._core.logging import get_logger
 from trainguard.checkpointing import _staging
 from trainguard.checkpointing.async_ckpt._commit import commit_collective, raise_for_failures
 from trainguard.checkpointing.async_ckpt._writer import ArenaPool, WriterDied, WriterProcess
-from trainguard.checkpointing.errors import CheckpointNotFoundError, CheckpointTimeout
+from trainguard.checkpointing.errors import (
+    CheckpointNotFoundError,
+    CheckpointTimeout,
+    CheckpointWriteError,
+)
 from trainguard.checkpointing.manager import CheckpointManager, rank_file
 from trainguard.errors import ConfigError
 
@@ -79,6 +83,9 @@ class AsyncCheckpointer:
         collective_timeout: timeout of the checkpointer's own gloo group (finalize/load).
         max_in_flight: staging arenas (host memory = this x state size); a save waits for the
             oldest write when all are busy.
+        on_error: ``"raise"`` (default) or ``"log"``: a failed save is logged and counted in
+            ``failed_saves`` and training continues (the next save retries).
+        writer_nice: niceness added to the writer (e.g. 10 on CPU-bound trainers; 0 = same).
         faults: test seam, step -> fault dict for the writer (see ``_worker``).
 
     Failure contract:
@@ -95,7 +102,8 @@ class AsyncCheckpointer:
     def __init__(self, root: Any = None, *, format: str = "torch", keep_last: int = 2,
                  write_timeout: float | timedelta = 600.0,
                  collective_timeout: float | timedelta = 600.0, max_in_flight: int = 2,
-                 use_dist: bool | None = None, faults: dict[int, dict] | None = None) -> None:
+                 use_dist: bool | None = None, writer_nice: int = 0, on_error: str = "raise",
+                 faults: dict[int, dict] | None = None) -> None:
         if format not in ("torch", "dcp"):
             raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
@@ -104,13 +112,18 @@ class AsyncCheckpointer:
         self.collective_timeout_s = as_seconds(collective_timeout, "collective_timeout")
         if self.write_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("write_timeout and collective_timeout must be > 0 seconds")
-        self.format = format
+        if on_error not in ("raise", "log"):
+            raise ConfigError(f"on_error must be 'raise' or 'log', got {on_error!r}")
+        if use_dist and not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("use_dist=True but torch.distributed is not initialized; call "
+                              "init_process_group first or pass use_dist=False")
+        self.format, self.on_error, self.failed_saves = format, on_error, 0
         self.use_dist = dist.is_available() and dist.is_initialized() if use_dist is None else use_dist
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
         self.manager = CheckpointManager(root, keep_last) if root is not None else None
         self.faults = dict(faults or {})
-        self.writer = WriterProcess(self.rank)
+        self.writer = WriterProcess(self.rank, writer_nice)
         self.pool = ArenaPool(max_in_flight)
         self.queue: deque[SaveRequest] = deque()
         self._group: Any = None
@@ -288,7 +301,14 @@ class AsyncCheckpointer:
             if not blocking and not self._all_ready(head):
                 break
             self.queue.popleft()
-            self._finalize(head)
+            try:
+                self._finalize(head)
+            except CheckpointWriteError as exc:
+                if self.on_error == "raise":
+                    raise
+                self.failed_saves += 1
+                _log.warning("checkpoint save failed (on_error='log', continuing): %s", exc)
+                continue
             done.append(head.step)
         return done
 
@@ -341,6 +361,12 @@ class AsyncCheckpointer:
     @property
     def num_unfinalized(self) -> int:
         return len(self.queue)
+
+    @property
+    def durability_lag_s(self) -> float:
+        """Seconds since the oldest unfinalized save was staged (0.0 when none): how far the
+        newest durable checkpoint trails training, e.g. behind a stalled file system."""
+        return self.queue[0].deadline.elapsed() if self.queue else 0.0
 
     # -- load --------------------------------------------------------------------------------
     def _agree_candidates(self) -> list[int]:
@@ -449,7 +475,7 @@ class AsyncCheckpointer:
             self._closed = True
             self._finalizer()
 
-    def __enter__(self) -> AsyncCheckpointer:
+    def __enter__(self) -> AsyncCheckpointer:  # noqa: PYI034
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

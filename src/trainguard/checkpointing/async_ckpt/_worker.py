@@ -174,7 +174,7 @@ class _Worker:
         t0 = time.monotonic()
         try:
             reply, extra = self.save(req)
-        except Exception as exc:  # every write failure goes back to the trainer as a record
+        except Exception as exc:  # noqa: BLE001 - every write failure goes back to the trainer as a record
             reply, extra = {
                 "id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
                 "errno": getattr(exc, "errno", None), "file": getattr(exc, "filename", None),
@@ -203,14 +203,26 @@ class _Worker:
                 return
 
 
-def worker_main(conn, parent_pid: int, rank: int) -> None:
+def _fast_torch_save() -> None:
+    """Skip torch.save's zip CRC32 (a slow second pass); every file carries an xxh3 instead."""
+    try:
+        from torch.utils.serialization import config
+
+        config.save.compute_crc32 = False
+    except (ImportError, AttributeError):  # older torch: keep the default
+        pass
+
+
+def worker_main(conn, parent_pid: int, rank: int, nice: int = 0) -> None:
     """Entry point of the writer process (runs until told to exit or orphaned)."""
     os.environ["RANK"] = str(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
-    try:
-        os.nice(5)  # writing must not starve the trainer's threads
-    except OSError:
-        pass
+    if nice:
+        try:
+            os.nice(nice)  # optional: keep the writer from competing with the trainer's threads
+        except OSError:
+            pass
+    _fast_torch_save()
     worker = _Worker(conn, parent_pid)
     try:
         worker.run()
@@ -224,4 +236,4 @@ if __name__ == "__main__":
     import sys
 
     worker_main(multiprocessing.connection.Connection(int(sys.argv[1])), int(sys.argv[2]),
-                int(sys.argv[3]))
+                int(sys.argv[3]), int(sys.argv[4]))

@@ -26,8 +26,8 @@ class WriterDied(Exception):
 class WriterProcess:
     """One persistent ``spawn``-ed writer for this rank; restarted lazily after a death or kill."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, nice: int = 0) -> None:
+        self.rank, self.nice = rank, nice
         self.proc: Any = None
         self.conn: Any = None
         self.pidfd: int | None = None
@@ -54,7 +54,7 @@ class WriterProcess:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trainguard.checkpointing.async_ckpt._worker",
-                 str(child.fileno()), str(os.getpid()), str(self.rank)],
+                 str(child.fileno()), str(os.getpid()), str(self.rank), str(self.nice)],
                 pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         except BaseException:
             parent.close()

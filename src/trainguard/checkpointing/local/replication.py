@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trainguard.errors import ConfigError
 
-__all__ = ["CliqueReplicationStrategy", "exchange_bytes", "send_bytes", "recv_bytes"]
+__all__ = ["CliqueReplicationStrategy", "exchange_bytes", "recv_bytes", "send_bytes"]
 
 
 class CliqueReplicationStrategy:

@@ -1,0 +1,26 @@
+"""Smoke test of ``bench/attribution.py`` on a small generated log (figures present, verdicts
+right); speed is what the benchmark itself reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "attribution.py"
+KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "decision_accuracy"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_attribution_smoke():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--log-mb", "3", "--repeat", "1",
+                          "--naive-mb", "0.2"], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in KEYS:
+        assert figures[key] > 0, key
+    assert figures["generated_log_correct"] and figures["fr_all_faulty_named"]
+    assert figures["category_accuracy"] >= 0.9 and figures["decision_accuracy"] >= 0.9
