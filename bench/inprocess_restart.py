@@ -64,6 +64,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--soft-timeout", type=float, default=2.0, help="seconds")
     p.add_argument("--hard-timeout", type=float, default=10.0, help="seconds")
     p.add_argument("--last-call-wait", type=float, default=None, help="seconds; default: ours")
+    p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="wrapper modes: build a 1-rank DDP before the wrapper (off: what a plain script does)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events)")
     args = p.parse_args(argv)
     if args.ranks < 2:
@@ -319,6 +324,8 @@ def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
     extra = ["--soft-timeout", str(args.soft_timeout), "--hard-timeout", str(args.hard_timeout)]
     if args.last_call_wait is not None:
         extra += ["--last-call-wait", str(args.last_call_wait)]
+    if args.warm_up:
+        extra.append("--warm-up")
     plan = _plan(args, args.faults, args.hang_faults, args.kill_faults)
     ours: list[FaultFigures] = []
     if not args.skip_ours:
@@ -352,6 +359,7 @@ def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
         gloo_timeout_s=args.gloo_timeout,
         soft_timeout_s=args.soft_timeout,
         last_call_wait_s=args.last_call_wait,  # None: the wrapper's default
+        warm_up=args.warm_up,
         load_avg_1m=[load_start, round(os.getloadavg()[0], 2)],  # shared machine: noise hint
     )
     return result
@@ -364,14 +372,9 @@ def run_nvrx(args: argparse.Namespace, work: str, ours_restart: float | None) ->
     for gloo in args.nvrx_gloo_timeouts:
         console.print(f"[bold]NVRx inprocess.Wrapper[/] (defaults), gloo timeout {gloo:g} s")
         sub = argparse.Namespace(**{**vars(args), "gloo_timeout": gloo})
+        extra = ["--gloo-timeout", str(gloo)] + (["--warm-up"] if args.warm_up else [])
         figs = run_wrapped(
-            sub,
-            work,
-            f"nvrx_gloo{gloo:g}",
-            "nvrx",
-            args.nvrx_python,
-            _plan(args, n, 0, 0),
-            ["--gloo-timeout", str(gloo)],
+            sub, work, f"nvrx_gloo{gloo:g}", "nvrx", args.nvrx_python, _plan(args, n, 0, 0), extra
         )
         print_faults(f"NVRx (gloo timeout {gloo:g} s)", figs)
         by_timeout[f"{gloo:g}"] = median([f.reentered_s for f in figs])

@@ -86,10 +86,10 @@ def test_errors_reach_every_rank_and_corrupt_shard_fallback(tmp_path):
         assert out["5"] == [5] and out["committed"] == [1, 2, 5]  # failed 3 and 4 left nothing
         assert out["b2b"] == [6, 7]
         assert out["load5"] == (7, rank + 10.0, 2)
-        assert out["fallback"] == (5, rank + 10.0)  # step 7 skipped on both ranks
+        assert out["fallback"] == (6, rank + 10.0)  # step 7 skipped on both ranks
     assert results[1][1]["writer_starts"] == 2 and results[0][1]["writer_starts"] == 1
     with pytest.raises(CheckpointMismatchError, match="written by 2 ranks"):
-        CheckpointManager(tmp_path).load(step=2, world_size=1)
+        CheckpointManager(tmp_path).load(step=5, world_size=1)
 
 
 def _dcp_both_ways(rank: int, world_size: int, root: str) -> dict:

@@ -136,7 +136,7 @@ def test_flatten_stage_rebuild_round_trip():
         del out
     finally:
         arena.close()
-    assert not os.path.exists(arena.path)
+    assert arena.fd is None and arena.buf is None
 
 
 def test_unpicklable_value_names_its_key():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,12 +17,23 @@ pytestmark = pytest.mark.slow
 
 
 def _demo(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``trainguard demo`` in its own session; on timeout stop the whole session."""
     env = {**os.environ, "COLUMNS": "160"}
     env.pop("LOCAL_RANK", None)
-    return subprocess.run(
-        [sys.executable, "-m", "trainguard", "demo", *args],
-        check=False, capture_output=True, text=True, timeout=timeout, env=env,
-    )
+    cmd = [sys.executable, "-m", "trainguard", "demo", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # the demo stops its ranks on SIGTERM
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            pytest.fail(f"demo did not finish in {timeout} s:\n{out[-4000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _pids_alive(pids: list[int]) -> list[int]:
@@ -36,13 +48,14 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 @pytest.mark.timeout(150)
-def test_demo_recovers_from_an_exception_and_a_sigkill(tmp_path: Path):
+def test_demo_recovers_from_exception_hang_and_sigkill(tmp_path: Path):
     out = tmp_path / "demo"
     started = time.monotonic()
     proc = _demo(
         "--ranks", "2", "--reserve-ranks", "1",
-        "--faults", "exception@rank1:step20,sigkill@rank1:step50",
+        "--faults", "exception@rank1:step20,hang@rank0:step35,sigkill@rank1:step50",
         "--steps", "80", "--checkpoint-every", "10", "--batch-size", "64",
+        "--soft-timeout", "3", "--hard-timeout", "15",
         "--output-dir", str(out), "--timeout", "110", timeout=140,
     )
     elapsed = time.monotonic() - started
@@ -50,15 +63,22 @@ def test_demo_recovers_from_an_exception_and_a_sigkill(tmp_path: Path):
     assert proc.returncode == 0, "demo failed; rank logs in " + str(out / "logs")
 
     summary = json.loads((out / "summary.json").read_text())
-    exc, kill = summary["faults"]
-    assert (exc["kind"], exc["rank"], kill["kind"], kill["rank"]) == ("exception", 1, "sigkill", 1)
-    for row in (exc, kill):
+    exc, hang, kill = summary["faults"]
+    assert [(r["kind"], r["rank"]) for r in summary["faults"]] == [
+        ("exception", 1), ("hang", 0), ("sigkill", 1)
+    ]
+    for row in (exc, hang, kill):
         assert row["recovered"] is True and row["fired"] is True
         assert row["detection_s"] is not None and 0 <= row["detection_s"] < 30
         assert row["restart_s"] is not None and 0 <= row["restart_s"] < 30
         assert row["world_size_after"] == 2  # the reserve rank replaced the killed one
         assert 0 <= row["steps_lost"] < 10  # at most the steps since the last checkpoint
     assert exc["steps_lost"] == 9  # steps 11..19 after the step-10 checkpoint
+    assert exc["detected_by"] == "exception raised (rank 1)"
+    assert hang["detected_by"] == "monitor: soft timeout (rank 0)"
+    assert 2.0 <= hang["detection_s"] <= 3 + 5.0  # soft timeout (3 s) + generous slack
+    assert kill["detected_by"] == "monitor: process died (rank 1)"
+    assert summary["restarts"] == 3 and summary["unplanned_restarts"] == []
     assert summary["accuracy"] >= 0.95
     assert 0 < summary["goodput"] < 1 and summary["wall_s"] > 0
     assert summary["steps_completed"] == 80 and summary["ok"] is True
@@ -93,3 +113,37 @@ def test_bad_arguments_exit_2_with_a_clear_error(tmp_path: Path, args, message):
     assert message in proc.stderr
     assert "trainguard demo: error:" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_demo_stops_and_reaps_every_rank(tmp_path: Path):
+    out = tmp_path / "demo"
+    env = {**os.environ}
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, "-m", "trainguard", "demo", "--ranks", "2", "--reserve-ranks", "1",
+           "--faults", "hang@rank1:step5", "--soft-timeout", "60", "--hard-timeout", "90",
+           "--output-dir", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, start_new_session=True) as proc:
+        try:
+            deadline = time.monotonic() + 90
+            fired = out / "markers" / "fault0.json"
+            while not fired.exists() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.2)  # wait until rank 1 hangs (every rank is up by then)
+            assert fired.exists(), "the hang never started"
+            starts = [json.loads(line) for f in (out / "events").glob("rank*.jsonl")
+                      for line in f.read_text().splitlines()]
+            pids = [e["pid"] for e in starts if e["ev"] == "start"]
+            assert len(pids) == 3
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            output, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    print(output[-3000:], f"stopped {time.monotonic() - sent:.1f} s after SIGTERM", sep="\n")
+    assert proc.returncode == 143
+    assert "every rank was stopped" in output
+    assert _pids_alive(pids) == []
+    monitor_pids = [int(p.read_text().split()[0]) for p in (out / "pids").glob("monitor*.pid")]
+    assert _pids_alive(monitor_pids) == []

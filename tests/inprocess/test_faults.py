@@ -169,54 +169,48 @@ def max_restart_s(res, faulty: set[int]) -> float:
 
 
 # -- tests ---------------------------------------------------------------------------------------
-# Each kind faults on a random non-zero rank in iteration 0 and on rank 0 in iteration 1
-# (rank 0's monitor process hosts the store, so rank 0 dying must not end the job).
-_TERMINAL = {
-    FaultKind.EXIT,
-    FaultKind.SIGKILL,
-    FaultKind.SIGTERM,
-    FaultKind.SIGSEGV,
-    FaultKind.SIGSTOP,
-    FaultKind.HANG_GIL,
-}
+# Faults on a random non-zero rank and on rank 0 (whose monitor process hosts the store, so
+# rank 0 dying must not end the job). Non-terminal kinds fault on both ranks of a 2-rank job;
+# SIGKILL and SystemExit take out a non-zero rank and then rank 0 of a 3-rank job; the other
+# terminal kinds hit one rank of a 2-rank job (alternating between rank 0 and rank 1).
+_TERMINAL = {FaultKind.EXIT, FaultKind.SIGKILL, FaultKind.SIGTERM, FaultKind.SIGSEGV,
+             FaultKind.SIGSTOP, FaultKind.HANG_GIL}
+_CASES = [
+    (FaultKind.RAISE, 2, ["nonzero", 0]),
+    (FaultKind.HANG_SLEEP, 2, ["nonzero", 0]),
+    (FaultKind.SIGKILL, 3, ["nonzero", 0]),
+    (FaultKind.EXIT, 3, ["nonzero", 0]),
+    (FaultKind.SIGTERM, 2, ["nonzero"]),
+    (FaultKind.SIGSEGV, 2, [0]),
+    (FaultKind.SIGSTOP, 2, ["nonzero"]),
+    (FaultKind.HANG_GIL, 2, [0]),
+]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "kind",
-    [
-        FaultKind.EXIT,
-        FaultKind.SIGKILL,
-        FaultKind.SIGTERM,
-        FaultKind.SIGSEGV,
-        FaultKind.SIGSTOP,
-        FaultKind.HANG_SLEEP,
-        FaultKind.HANG_GIL,
-    ],
-)
-def test_fault_kind_on_nonzero_rank_then_rank0(kind):
-    world = 3
-    bad = random.randint(1, world - 1)
-    faults = [Fault(bad, kind, iteration=0, step=2), Fault(0, kind, iteration=1, step=2)]
+@pytest.mark.parametrize("kind, world, targets", _CASES, ids=[c[0].value for c in _CASES])
+def test_fault_kinds(kind, world, targets):
+    ranks = [random.randint(1, world - 1) if t == "nonzero" else t for t in targets]
+    faults = [Fault(r, kind, iteration=i, step=2) for i, r in enumerate(ranks)]
     cfg = {"pg": True, "gloo_timeout": 300, "soft": 1.0, "hard": 2.5, "steps": 4}
     res = launch(world, cfg, faults, timeout_s=90)
     terminal = kind in _TERMINAL
-    faulty = {bad, 0} if terminal else set()
-    world_after = world - 2 if terminal else world
-    assert_recovered(res, faulty, world_after, iteration=2)
+    faulty = set(ranks) if terminal else set()
+    assert_recovered(res, faulty, world - len(faulty), iteration=len(ranks))
     for r in survivors(res, faulty):
         causes = [(x["cause"], x["fault_ranks"]) for x in r.result["records"]]
-        assert [c[1] for c in causes] == [[bad], [0]], causes
-    if terminal:
-        for r in res:
-            if r.rank in faulty:
-                assert r.returncode != 0
+        assert [c[1] for c in causes] == [[x] for x in ranks], causes
+    for r in res:
+        if r.rank in faulty:
+            assert r.returncode != 0
     lat = [round(x["restart_s"], 3) for x in survivors(res, faulty)[0].result["records"]]
-    print(f"  {kind.value}: fault -> re-entry per restart (s): {lat}")
+    print(f"  {kind.value} on ranks {ranks}: fault -> re-entry per restart (s): {lat}")
     if kind is FaultKind.RAISE:  # gloo timeout is 300 s: the abort broke the blocked collective
         assert max(lat) < 5.0
     if kind is FaultKind.HANG_SLEEP:  # interrupted at the soft timeout (1 s), not killed
         assert max(lat) < 1.0 + 3.0
+    if kind in (FaultKind.HANG_GIL, FaultKind.SIGSTOP):  # killed at the hard timeout (2.5 s)
+        assert all(2.0 < x < 2.5 + 5.0 for x in lat)
 
 
 @pytest.mark.timeout(90)
@@ -275,3 +269,16 @@ def test_four_rank_restart_latency(kind):
     print(f"  4 ranks, {kind.value} on rank {bad} -> survivors re-entered: {lat:.3f} s "
           "(target 1.0 s)")
     assert lat < 5.0
+
+
+@pytest.mark.timeout(90)
+def test_store_outlives_rank0_leaving_early():
+    # rank 0 (its monitor hosts the store) leaves at once; rank 1 trains on for longer than
+    # barrier_timeout, so the store must stay up as long as rank 1 is alive, not a fixed time
+    cfg = {"soft": 1.0, "hard": 2.0, "barrier": 3.0, "heartbeat_timeout": 2.5, "steps": 40,
+           "step_s": 0.1}
+    res = launch(2, cfg, [Fault(0, FaultKind.EXIT, iteration=0, step=1)])
+    assert res[0].returncode != 0
+    assert_recovered(res, {0}, world_after=1)
+    enter = res[1].result["enter"][-1][1]
+    assert res[1].result["t_return"] - enter > 3.0  # ran past barrier_timeout on the store

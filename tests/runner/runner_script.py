@@ -34,9 +34,10 @@ def started(**kwargs) -> DistributedRunner:
 def main(mode: str) -> int:
     if mode == "hang_call":  # the test kills or interrupts us while generate() sleeps
         runner = started()
+        big = np.ones(2 << 20, np.float32)  # 8 MiB: a new, still named input generation
         say(event="calling")
         try:
-            runner.generate(("sleep", 60))
+            runner.generate(("sleep_with", (60, big)))
         except KeyboardInterrupt:
             say(event="interrupted", healthy=runner.healthy,
                 ranks_alive=[p.is_alive() for p in runner._procs])

@@ -93,6 +93,10 @@ class EchoWorker(DistributedWorker):
             time.sleep(3600)
         return "answered"
 
+    def op_sleep_with(self, spec):  # spec = (seconds, array): the array grew the input slot
+        time.sleep(spec[0])
+        return float(spec[1].sum())
+
     def op_sleep(self, seconds):
         time.sleep(seconds)
         return self.rank

@@ -66,6 +66,7 @@ def test_killed_parent_takes_ranks_grandchildren_and_shared_memory_with_it(sig):
     rank_pids = [c for c in _children_of(prog.proc.pid)]
     assert len(rank_pids) >= 2
     time.sleep(0.3)  # the ranks are inside generate()
+    assert _shm_of(ev["prefix"]), "the in-flight input generation should still be named"
     os.kill(prog.proc.pid, sig)
     prog.finish()
     watched = rank_pids + [ev["grandchild"]]

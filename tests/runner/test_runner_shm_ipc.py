@@ -59,6 +59,18 @@ def test_only_the_owner_unlinks_and_attach_sees_owner_writes():
         ShmSegment(prefix + "0")
 
 
+def test_early_unlink_keeps_every_mapping_valid():
+    prefix = unique_prefix("t")
+    owner = ShmSegment(prefix + "0", 4096, create=True)
+    reader = ShmSegment(prefix + "0")
+    owner.unlink()
+    assert _names(prefix) == []  # nothing left to leak or to be removed under us
+    owner.buf[:3] = b"abc"
+    assert bytes(reader.buf[:3]) == b"abc"
+    reader.close()
+    owner.close()
+
+
 def test_slot_grows_by_generations_and_unlinks_the_old_one():
     prefix = unique_prefix("t")
     slot = ShmSlot(prefix, 4096)

@@ -123,6 +123,16 @@ class ShmSegment:
             raise ShmAllocationError(self.name, size, free, total, os.strerror(exc.errno or 0)
                                      ) from exc
 
+    def unlink(self) -> None:
+        """Owner only: remove the name now, keep the mapping (attached readers keep theirs).
+
+        Once every reader has attached, an unlinked segment can neither leak nor be removed
+        under us by anyone cleaning ``/dev/shm``; its memory is freed with the last mapping.
+        """
+        if self.owner:
+            self.owner = False
+            _unlink("/" + self.name)
+
     def close(self) -> None:
         """Unmap (and, for the owner, unlink). Idempotent.
 
@@ -184,6 +194,11 @@ class ShmSlot:
             seg.close()
         self.segment = new
         return new
+
+    def unlink_name(self) -> None:
+        """Remove the live segment's name once every reader has mapped it (see ShmSegment)."""
+        if self.segment is not None:
+            self.segment.unlink()
 
     def close(self) -> None:
         """Unlink the live segment. Idempotent."""

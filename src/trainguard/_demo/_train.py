@@ -173,7 +173,7 @@ def train(trainer: Trainer, call_wrapper: CallWrapper | None = None) -> float:
     cfg, state = trainer.config, call_wrapper.state
     iteration = call_wrapper.iteration
     trainer.log_restart_records(list(call_wrapper.restart_records), iteration)
-    call_wrapper.init_process_group()
+    call_wrapper.init_process_group(backend="gloo")  # CPU demo: 5 ranks share one host
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg.hidden, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-4)

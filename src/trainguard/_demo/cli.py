@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -125,12 +126,23 @@ def _run(args: argparse.Namespace) -> int:
         f"[bold]trainguard demo[/]: {config.ranks} active + {config.reserve} reserve ranks, "
         f"{config.steps} steps, digits ({sizes['train']} train / {sizes['test']} test), faults: {faults}"
     )
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         result = launch(config, config_path, timeout_s=args.timeout, console=console)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as exc:
         console.print("[bold red]interrupted; every rank was stopped")
-        return 130
+        return 143 if isinstance(exc, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return _finish(config, result, console, wall_s=time.monotonic() - started)
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached the demo: unwind so the launcher stops and reaps every rank."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 def _finish(config, result, console, wall_s: float) -> int:

@@ -58,22 +58,22 @@ __all__ = [
     "Wrapper",
 ]
 
-# Rank assignment, health checks and RetryController live in modules written alongside; export
-# them when present (the coordinator finalises this list).
-try:
-    from trainguard.inprocess import rank_assignment as _ra
+# Rank assignment, health checks, RetryController and further hooks live in modules written
+# alongside; export whatever they declare (the coordinator finalises this list).
+def _export_all(module_name: str) -> None:
+    import importlib
 
-    for _name in getattr(_ra, "__all__", []):
-        globals()[_name] = getattr(_ra, _name)
-        __all__.append(_name)
-except ImportError:
-    pass
-try:
-    from trainguard.inprocess import health_check as _hc
+    try:
+        module = importlib.import_module(f"trainguard.inprocess.{module_name}")
+    except ImportError:
+        return
+    for name in getattr(module, "__all__", []):
+        if name not in globals():
+            globals()[name] = getattr(module, name)
+            __all__.append(name)
 
-    for _name in getattr(_hc, "__all__", []):
-        if _name not in globals():
-            globals()[_name] = getattr(_hc, _name)
-            __all__.append(_name)
-except ImportError:
-    pass
+
+for _module in ("rank_assignment", "health_check", "initialize", "finalize", "completion",
+                "terminate", "abort"):
+    _export_all(_module)
+del _module

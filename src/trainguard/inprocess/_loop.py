@@ -211,6 +211,7 @@ class LoopMixin:
         mt.stop()
         info = mt.info or RestartInfo(co.read_interruptions(self.store, self.keys,
                                                             self.state.iteration), time.time())
+        marks = [("interrupted", info.interrupt_time), ("caught", time.time())]
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # custom aborts may leave it; stale group would leak
         _transport.clear()
@@ -222,16 +223,20 @@ class LoopMixin:
                 self.cfg.health_check(frozen)
             except Exception as exc:
                 raise HealthCheckError(f"restart health check failed: {exc!r}") from exc
-        t_barrier = time.time()
+        marks.append(("finalized", time.time()))
         self.iteration_barrier()
-        log.debug("restart: interrupted->barrier %.3f s, barrier %.3f s",
-                  t_barrier - info.interrupt_time, time.time() - t_barrier)
+        marks.append(("barrier", time.time()))
         record = co.RestartRecord.from_interruptions(self.state.iteration, info.records,
                                                      info.interrupt_time)
         self.reassign(self.state.iteration)
+        marks.append(("assigned", time.time()))
         self.records.append(record)
         self.state.advance()
         self.collect_garbage()
+        marks.append(("collected", time.time()))
+        if log.isEnabledFor(logging.DEBUG):
+            steps = ", ".join(f"{b[0]} +{b[1] - a[1]:.3f}" for a, b in zip(marks, marks[1:]))
+            log.debug("restart phases (s): %s", steps)
 
     def iteration_barrier(self) -> None:
         st, it = self.state, self.state.iteration

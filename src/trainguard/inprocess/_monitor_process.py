@@ -117,6 +117,18 @@ class MonitorProcess:
             except OSError:
                 pass
 
+    def detach(self, wait_s: float = 1.0) -> None:
+        """Tell the child to finish but do not insist: a store host stays up for the others
+        (it exits after the termination barrier; init reaps it if we are gone by then)."""
+        self.send(op="stop")
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and not self._try_reap():
+            time.sleep(0.005)
+        for fd in (self._cmd_w, self._status_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._reaped = True  # not ours to wait for any more
+
     def _try_reap(self) -> bool:
         try:
             pid, _ = os.waitpid(self.pid, os.WNOHANG)
@@ -318,15 +330,33 @@ class _Monitor:
                 self.log.exception("termination barrier")
 
     def _wait_term(self) -> None:
-        deadline = time.monotonic() + self.cfg.barrier_timeout_s
-        key = self.keys.term_barrier
-        while time.monotonic() < deadline:
-            arrived = reentrant_barrier(self.store, key, [], self.cfg.initial_world_size, 0.0)
-            if len(arrived) >= self.cfg.initial_world_size:
+        """Host the store until every rank arrived at the termination barrier, or until no
+        missing rank has shown a fresh heartbeat for ``heartbeat_timeout`` seconds."""
+        key, world = self.keys.term_barrier, self.cfg.initial_world_size
+        last_alive = time.monotonic()
+        while True:
+            arrived = reentrant_barrier(self.store, key, [], world, 0.0)
+            if len(arrived) >= world:
+                return
+            self._heartbeat()
+            if self._any_alive(set(range(world)) - arrived):
+                last_alive = time.monotonic()
+            elif time.monotonic() - last_alive > self.cfg.heartbeat_timeout_s:
+                self.log.info("termination barrier: ranks %s silent; closing the store",
+                              sorted(set(range(world)) - arrived))
                 return
             wait_key(self.store, f"{key}/done", min(self.cfg.heartbeat_interval_s, 1.0))
-            self._heartbeat()
-        self.log.info("termination barrier incomplete after %.1f s", self.cfg.barrier_timeout_s)
+
+    def _any_alive(self, ranks: set[int]) -> bool:
+        now = time.time()
+        for r in ranks:
+            key = self.keys.heartbeat(r)
+            if not self.store.check([key]):
+                continue
+            raw = self.store.get(key).decode()
+            if raw != "done" and now - float(raw) < self.cfg.heartbeat_timeout_s:
+                return True
+        return False
 
     # -- sibling heartbeat -----------------------------------------------------------------
     def _heartbeat(self) -> None:

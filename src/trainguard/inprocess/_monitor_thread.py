@@ -100,7 +100,9 @@ class Interrupter:
             if self._pending is None:
                 return
             self._claimed = False
-        self.fire(self._pending)
+            summary = self._pending
+        # Not from here: a signal to ourselves would run its handler inside the hook again.
+        threading.Timer(0.01, self.fire, args=(summary,)).start()
 
     def install_unraisable_hook(self) -> None:
         """Catch a RankShouldRestart that CPython reports as unraisable and re-deliver it."""

@@ -268,6 +268,7 @@ class _Runtime(LoopMixin):
         self.ret: Any = None
         self.hosting = False
         self.frozen_gc = False
+        self.completed = False
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         saved = env_snapshot()
@@ -275,6 +276,7 @@ class _Runtime(LoopMixin):
             self.setup()
             while self.iterate(args, kwargs) is Outcome.RESTART:
                 pass
+            self.completed = True
         except BaseException as exc:
             if self.keys is not None:
                 self.exit_path(exc)
@@ -377,7 +379,9 @@ class _Runtime(LoopMixin):
                                   self.state.initial_world_size, 0.0)
             except Exception:
                 log.debug("termination barrier arrival failed", exc_info=True)
-        if self.monitor is not None:
+        if self.monitor is not None and self.hosting and not self.completed:
+            self.monitor.detach()  # leaving early: the store must outlive the survivors
+        elif self.monitor is not None:
             wait_s = self.cfg.barrier_timeout_s + 5.0 if self.hosting else 5.0
             self.monitor.stop(wait_s)
         _transport.clear()

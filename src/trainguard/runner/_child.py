@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 import os
 import pickle
 import signal
@@ -24,7 +25,7 @@ from trainguard._core.shm import ShmAllocationError, sweep_prefix
 from trainguard.runner._transport import Receiver, Sender
 
 # Frame kinds, parent -> rank.
-GENERATE, RESET, SHUTDOWN, JOIN = 1, 2, 3, 4
+GENERATE, RESET, SHUTDOWN, JOIN, ATTACH = 1, 2, 3, 4, 5
 # Frame kinds, rank -> parent.
 READY, LOADED, OK, RESULT, ERROR = 10, 11, 12, 13, 14
 
@@ -108,16 +109,14 @@ class _Rank:
 
     def _load(self) -> None:
         spec = self.spec
-        if spec.rank == 0:
-            self.sender = Sender(spec.shm_prefix + "o", spec.shm_bytes)
-        if spec.shm_bytes:  # map the parent's up-front reservation while starting, not mid-call
-            self.receiver.attach(spec.shm_prefix + "i0")
         worker = self.worker = spec.worker_cls()
         device, backend = _pick_device(spec)
         worker.rank, worker.world_size, worker.device = spec.rank, spec.world_size, device
         if spec.init_process_group and spec.world_size > 1:
             self._init_group(backend)
         worker.load(**spec.load_kwargs)
+        if spec.rank == 0:  # reserved last: its name lives only until the parent maps it
+            self.sender = Sender(spec.shm_prefix + "o", spec.shm_bytes)
 
     def _init_group(self, backend: str) -> None:
         import torch.distributed as dist
@@ -145,10 +144,14 @@ class _Rank:
                 kind, body = self.reader.recv()
             except EOFError:  # parent closed the pipe: it is gone or shutting down
                 return 0
+            if self.sender is not None:  # a new frame: the parent has mapped our last result
+                self.sender.release_name()
             if kind == GENERATE:
                 self._generate(body)
             elif kind == RESET:
-                self._call(lambda: self.worker.reset())
+                self._call(self.worker.reset)
+            elif kind == ATTACH:
+                self._call(functools.partial(self.receiver.attach, bytes(body).decode()))
             elif kind == SHUTDOWN:
                 return 0
 

@@ -12,12 +12,8 @@ import atexit
 import contextlib
 import math
 import multiprocessing.util  # noqa: F401 - its exit hook must be registered before ours (LIFO)
-import os
 import pickle
 import select
-import signal
-import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +24,7 @@ from trainguard._core.procs import describe_exit, spawn_context
 from trainguard._core.shm import ShmAllocationError, sweep_prefix, sweep_stale, unique_prefix
 from trainguard.runner import _child as proto
 from trainguard.runner import _validate as check
-from trainguard.runner._stop import stop_ranks
+from trainguard.runner._stop import exit_status, sigint_ignored, stop_ranks
 from trainguard.runner._transport import Receiver, Sender
 from trainguard.runner.errors import (
     RankDesync,
@@ -168,7 +164,6 @@ class DistributedRunner:
         ctx = spawn_context()
         sweep_stale("r")
         self._prefix = unique_prefix("r")
-        self._sender = Sender(self._prefix + "i", self._shm_bytes)
         for rank in range(self._world_size):
             spec = proto.ChildSpec(self._worker_cls, rank, self._world_size, self._load_kwargs,
                                    self._init_pg, self._prefix, self._shm_bytes, self._transfer,
@@ -179,7 +174,7 @@ class DistributedRunner:
             self._conns += [inbox_w, outbox_r, death_w]
             proc = ctx.Process(target=proto.child_main, name=f"tg-runner-rank{rank}",
                                args=(spec, inbox_r, outbox_w, death_r), daemon=False)
-            with _sigint_ignored():  # inherited across exec until the rank has its own group
+            with sigint_ignored():  # inherited across exec until the rank has its own group
                 proc.start()
             self._procs.append(proc)
             for conn in (inbox_r, outbox_w, death_r):
@@ -203,6 +198,14 @@ class DistributedRunner:
                 elif kind == proto.ERROR:
                     err = _Error(rank, body)
                     raise err.exc
+        self._reserve_inputs()
+
+    def _reserve_inputs(self) -> None:
+        """Reserve ``shm_bytes`` for inputs, have every rank map it, then drop its name."""
+        self._sender = Sender(self._prefix + "i", self._shm_bytes)
+        segment = self._sender.slot.segment
+        if segment is not None:
+            self._call(proto.ATTACH, segment.name.encode(), "attach")  # then unlinks the name
 
     def shutdown(self) -> None:
         """End the ranks and release the runner's shared memory. Idempotent; also run at exit.
@@ -291,6 +294,7 @@ class DistributedRunner:
         except BaseException as exc:
             self._broken = self._broken or f"{what}() failed: {type(exc).__name__}"
             raise
+        self._sender.release_name()  # type: ignore[union-attr] - every rank has mapped it
         return self._resolve(replies)
 
     def _broadcast(self, kind: int, body: bytes, what: str, first: int = 0) -> None:
@@ -333,7 +337,7 @@ class DistributedRunner:
 
     def _crashed(self, rank: int, what: str) -> None:
         proc = self._procs[rank]
-        code = _exit_status(proc)
+        code = exit_status(proc)
         raise WorkerCrashed(
             f"rank {rank} (pid {proc.pid}) died during {what}() without answering: "
             f"{describe_exit(code)}; see its stderr for the traceback (faulthandler is on). "
@@ -380,32 +384,3 @@ def _slot_failed(exc: BaseException) -> SharedSlotAllocationFailed:
 
 def _readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
-
-
-def _exit_status(proc: Any) -> int | None:
-    """Exit code (negative = signal) without reaping, so the rank's pid/pgid stays reserved."""
-    if proc.pid is None:
-        return None
-    deadline = Deadline(2.0)
-    while True:  # the sentinel closes a moment before the process becomes waitable
-        try:
-            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except (ChildProcessError, AttributeError, OSError):
-            return proc.exitcode
-        if info is not None:
-            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        if deadline.expired():
-            return None
-        time.sleep(0.002)
-
-
-@contextlib.contextmanager
-def _sigint_ignored():
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

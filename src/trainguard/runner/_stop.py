@@ -1,4 +1,4 @@
-"""Ending rank processes: cooperative exit, then SIGTERM -> grace -> SIGKILL of each rank's group.
+"""Rank process helpers; ending ranks: cooperative exit, then SIGTERM -> grace -> SIGKILL of groups.
 
 Each rank leads its own process group (pgid == its pid), so signalling the group also reaches
 grandchildren (DataLoader workers, helpers). Ranks are reaped only at the very end, through
@@ -12,6 +12,8 @@ import contextlib
 import multiprocessing.connection
 import os
 import signal
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from trainguard._core.ipc import send_frame
 from trainguard._core.procs import terminate_processes
 from trainguard.runner._child import SHUTDOWN
 
-__all__ = ["stop_ranks"]
+__all__ = ["exit_status", "sigint_ignored", "stop_ranks"]
 
 _TERM_GRACE_S = 5.0
 
@@ -63,3 +65,32 @@ def stop_ranks(procs: Sequence[Any], inboxes: Sequence[int], grace_s: float = 10
     _wait_exited(procs, _TERM_GRACE_S)
     _signal_groups(procs, signal.SIGKILL)  # survivors and grandchildren
     terminate_processes([p for p in procs if p.pid is not None], grace_s=1.0)
+
+
+def exit_status(proc: Any) -> int | None:
+    """Exit code (negative = signal) without reaping, so the rank's pid/pgid stays reserved."""
+    if proc.pid is None:
+        return None
+    deadline = Deadline(2.0)
+    while True:  # the sentinel closes a moment before the process becomes waitable
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (ChildProcessError, AttributeError, OSError):
+            return proc.exitcode
+        if info is not None:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if deadline.expired():
+            return None
+        time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -89,6 +89,10 @@ class Sender:
         parts.append(data)
         return b"".join(parts)
 
+    def release_name(self) -> None:
+        """Unlink the current segment's name; call once every reader has attached it."""
+        self.slot.unlink_name()
+
     def close(self) -> None:
         self.slot.close()
 

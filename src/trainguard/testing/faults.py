@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -244,7 +245,13 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = _main(sys.argv[1:])
+    try:
+        code = _main(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown (torch's takes seconds on a busy machine)

@@ -27,9 +27,9 @@ from trainguard._core.hooks import register_reset_callback
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing import _staging
 from trainguard.checkpointing.async_ckpt._commit import commit_collective, raise_for_failures
+from trainguard.checkpointing.async_ckpt._loading import LoadMixin
 from trainguard.checkpointing.async_ckpt._writer import ArenaPool, WriterDied, WriterProcess
 from trainguard.checkpointing.errors import (
-    CheckpointNotFoundError,
     CheckpointTimeout,
     CheckpointWriteError,
 )
@@ -71,7 +71,7 @@ class SaveRequest:
     stage_s: float = 0.0
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(LoadMixin):
     """Asynchronous, never-torn checkpoints with one persistent writer process per rank.
 
     Args:
@@ -109,6 +109,7 @@ class AsyncCheckpointer:
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.write_timeout_s = as_seconds(write_timeout, "write_timeout")
+        self.start_timeout_s = 120.0  # a writer that has not started after this is dead
         self.collective_timeout_s = as_seconds(collective_timeout, "collective_timeout")
         if self.write_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ConfigError("write_timeout and collective_timeout must be > 0 seconds")
@@ -260,20 +261,21 @@ class AsyncCheckpointer:
     def _pump(self, target: SaveRequest, blocking: bool) -> None:
         """Read writer replies until ``target`` is no longer writing (or one poll if not blocking)."""
         while target.state == "writing":
-            wait_s = min(0.5, target.deadline.remaining()) if blocking else 0.0
+            wait_s = 0.0
+            if blocking:
+                wait_s = min(0.5, target.deadline.remaining()) if self.writer.ready else 0.5
             try:
                 got = self.writer.recv(wait_s)
             except WriterDied as exc:
                 self._fail_pending(f"{exc} while writing (step {target.step})", dead=True)
                 return
             if got is not None:
-                reply, extra = got
-                req = next((r for r in self.queue if r.id == reply["id"]), None)
-                if req is not None:
-                    req.state = "written" if reply["ok"] else "failed"
-                    req.record, req.extra = reply, extra
-                    self.pool.release(req.id)
+                self._on_reply(*got)
                 continue
+            if not self.writer.ready and target.deadline.elapsed() < self.start_timeout_s:
+                if not blocking:
+                    return
+                continue  # the writer is still importing torch: its time does not count yet
             if target.deadline.expired():
                 pid = self.writer.pid
                 self._fail_pending(f"writer pid {pid} stuck: no reply after "
@@ -281,6 +283,18 @@ class AsyncCheckpointer:
                 return
             if not blocking:
                 return
+
+    def _on_reply(self, reply: dict[str, Any], extra: bytes | None) -> None:
+        if not reply.get("ready"):
+            req = next((r for r in self.queue if r.id == reply["id"]), None)
+            if req is not None:
+                req.state = "written" if reply["ok"] else "failed"
+                req.record, req.extra = reply, extra
+                self.pool.release(req.id)
+        # write_timeout counts from when the writer can start a request, not from its queueing
+        nxt = next((r for r in self.queue if r.state == "writing"), None)
+        if nxt is not None:
+            nxt.deadline = Deadline(self.write_timeout_s)
 
     # -- finalize ----------------------------------------------------------------------------
     def maybe_finalize(self, blocking: bool = False) -> list[int | None]:
@@ -367,89 +381,6 @@ class AsyncCheckpointer:
         """Seconds since the oldest unfinalized save was staged (0.0 when none): how far the
         newest durable checkpoint trails training, e.g. behind a stalled file system."""
         return self.queue[0].deadline.elapsed() if self.queue else 0.0
-
-    # -- load --------------------------------------------------------------------------------
-    def _agree_candidates(self) -> list[int]:
-        steps = list(reversed(self.manager.committed_steps())) if self.rank == 0 else []  # type: ignore[union-attr]
-        if self.use_dist:
-            box = [steps]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
-            steps = box[0]
-        return steps
-
-    def _all_ok(self, ok: bool) -> bool:
-        if not self.use_dist:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        self._collective(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
-
-    def find_valid_step(self, step: int | None = None) -> int:
-        """Collective: newest committed step whose files verify on every rank (or ``step``).
-
-        Raises:
-            CheckpointNotFoundError: none (or ``step`` is not valid on every rank).
-            CheckpointMismatchError: the checkpoint has another world size.
-        """
-        from trainguard.checkpointing.errors import CheckpointError
-
-        if self.manager is None:
-            raise ConfigError("loading needs AsyncCheckpointer(root=...)")
-        self._ensure_group()
-        candidates = [step] if step is not None else self._agree_candidates()
-        for s in candidates:
-            problem = None
-            try:
-                man = self.manager.read_manifest(s)
-                if man["kind"] == "torch":
-                    self.manager.check_world_size(man, self.world_size)
-                names = [n for n, f in man["files"].items() if f["rank"] == self.rank]
-                self.manager.verify(s, names)
-            except CheckpointError as exc:
-                if step is not None and not self.use_dist:
-                    raise
-                problem = exc
-            if self._all_ok(problem is None):
-                return s
-            _log.warning("skipping checkpoint step %s: %s", s, problem or "invalid on another rank")
-            if step is not None and problem is not None:
-                raise problem
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint valid on every rank in {self.manager.storage.url}"
-            + (f" (requested step {step})" if step is not None else ""))
-
-    def load(self, step: int | None = None, map_location: Any = "cpu",
-             weights_only: bool = True) -> tuple[Any, int]:
-        """Collective: this rank's torch-format state of the newest valid step; (state, step).
-
-        Corrupt or partial checkpoints are skipped (with a warning) on every rank alike.
-        """
-        s = self.find_valid_step(step)
-        obj = self.manager.load_file(s, rank_file(self.rank), map_location, weights_only)  # type: ignore[union-attr]
-        self._last_step = s
-        return obj, s
-
-    def load_dcp(self, state_dict: dict[str, Any], step: int | None = None,
-                 checkpoint_id: str | os.PathLike | None = None) -> int | None:
-        """Collective: load DCP data in place into ``state_dict`` (DCP reshards as needed).
-
-        Without ``checkpoint_id``: the newest valid committed step of this root (checksums
-        verified); returns it. With ``checkpoint_id``: any DCP directory (e.g. written by
-        ``torch.distributed.checkpoint.save``), loaded as is; returns None.
-        """
-        import torch.distributed.checkpoint as dcp
-
-        self._ensure_group()
-        group = self._group if self.use_dist else None
-        if checkpoint_id is not None:
-            dcp.load(state_dict, checkpoint_id=os.fspath(checkpoint_id), process_group=group,
-                     no_dist=not self.use_dist)
-            return None
-        s = self.find_valid_step(step)
-        dcp.load(state_dict, checkpoint_id=self.manager.path_of(s),  # type: ignore[union-attr]
-                 process_group=group, no_dist=not self.use_dist)
-        self._last_step = s
-        return s
 
     # -- lifecycle ---------------------------------------------------------------------------
     def abort(self) -> None:

@@ -224,6 +224,7 @@ def worker_main(conn, parent_pid: int, rank: int, nice: int = 0) -> None:
             pass
     _fast_torch_save()
     worker = _Worker(conn, parent_pid)
+    conn.send_bytes(json.dumps({"ready": True, "pid": os.getpid()}).encode())
     try:
         worker.run()
     finally:

@@ -31,6 +31,7 @@ class WriterProcess:
         self.proc: Any = None
         self.conn: Any = None
         self.pidfd: int | None = None
+        self.ready = False
         self.starts = 0
 
     @property
@@ -61,7 +62,7 @@ class WriterProcess:
             raise
         finally:
             child.close()
-        self.proc = proc
+        self.proc, self.ready = proc, False
         self.pidfd = os.pidfd_open(proc.pid)
         self.sock = parent
         self.conn = multiprocessing.connection.Connection(os.dup(parent.fileno()))
@@ -89,19 +90,24 @@ class WriterProcess:
             raise WriterDied(f"cannot reach {self.describe()}: {exc}") from exc
 
     def recv(self, timeout_s: float) -> tuple[dict[str, Any], bytes | None] | None:
-        """One reply within ``timeout_s`` seconds, or None. Raises WriterDied when it is dead."""
-        if self.proc is None:
-            raise WriterDied("writer not started")
-        ready = multiprocessing.connection.wait([self.conn, self.pidfd], timeout_s)
-        if self.conn in ready:
-            try:
-                reply = json.loads(self.conn.recv_bytes())
-                extra = self.conn.recv_bytes() if reply.get("has_extra") else None
+        """One reply within ``timeout_s`` seconds, or None. Raises WriterDied when it is dead
+        (or was killed meanwhile by :meth:`kill` from another thread)."""
+        conn, pidfd = self.conn, self.pidfd
+        if conn is None or pidfd is None:
+            raise WriterDied("writer not running (stopped or aborted)")
+        try:
+            ready = multiprocessing.connection.wait([conn, pidfd], timeout_s)
+            if conn in ready:
+                reply = json.loads(conn.recv_bytes())
+                if reply.get("ready"):
+                    self.ready = True
+                    return {"ready": True}, None
+                extra = conn.recv_bytes() if reply.get("has_extra") else None
                 return reply, extra
-            except (EOFError, OSError) as exc:
-                self._reap()
-                raise WriterDied(f"{self.describe()} died (pipe closed{': ' + str(exc) if str(exc) else ''})") from exc
-        if self.pidfd in ready:
+        except (EOFError, OSError, ValueError) as exc:
+            self._reap()
+            raise WriterDied(f"{self.describe()} died (pipe closed)") from exc
+        if pidfd in ready:
             self._reap()
             raise WriterDied(self.describe())
         return None
@@ -129,10 +135,13 @@ class WriterProcess:
         self._close_handles()
 
     def _reap(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
         try:
-            self.proc.wait(2.0)
+            proc.wait(2.0)
         except subprocess.TimeoutExpired:
-            terminate_processes([self.proc], grace_s=0.5)
+            terminate_processes([proc], grace_s=0.5)
 
     def _close_handles(self) -> None:
         if self.conn is not None:
