@@ -134,7 +134,7 @@ class CheckpointManager:
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, step: int, kind: str, world_size: int, files: dict[str, dict[str, Any]],
-               extra: dict[str, Any] | None = None) -> None:
+               extra: dict[str, Any] | None = None, prune: bool = True) -> None:
         """Write the manifest (commit marker), advance ``latest`` and prune old checkpoints.
 
         ``files`` maps file name -> {"size", "xxh3", "rank"}; every file must already be durable.
@@ -149,7 +149,8 @@ class CheckpointManager:
         self.storage.write_bytes(f"{self.step_dir(step)}/{MANIFEST}",
                                  json.dumps(man, indent=1, sort_keys=True).encode())
         self.storage.write_bytes("latest", f"{step}\n".encode())
-        self.prune()
+        if prune:
+            self.prune()
 
     def prune(self) -> list[int]:
         """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted

@@ -69,6 +69,8 @@ class SaveRequest:
     record: dict[str, Any] = field(default_factory=dict)
     extra: bytes | None = None
     stage_s: float = 0.0
+    t_submit: float = 0.0
+    durable_s: float | None = None  # submit -> committed on every rank (set by finalize)
 
 
 class AsyncCheckpointer(LoadMixin):
@@ -214,7 +216,7 @@ class AsyncCheckpointer(LoadMixin):
         payload = _staging.pickle_skeleton(skeleton)
         slots, total = _staging.plan_slots(tensors)
         req = SaveRequest(next(_ids), step, kind, rel_dir, file, url, collective,
-                          Deadline(self.write_timeout_s), list(finalize_fns))
+                          Deadline(self.write_timeout_s), list(finalize_fns), t_submit=t0)
         self._wait_for_arena()
         # The pickled skeleton rides in the arena behind the tensors: the request message stays
         # tiny, so sending never blocks on a writer that is still starting.
@@ -356,10 +358,14 @@ class AsyncCheckpointer(LoadMixin):
                 if "timeout" in str(exc).lower():
                     raise CheckpointTimeout(f"finalize of step {req.step} timed out: {exc}") from exc
                 raise
+            req.durable_s = time.perf_counter() - req.t_submit
             self._last_step = req.step
+            if self.rank == 0:
+                self.manager.prune()  # type: ignore[union-attr]
         else:
             failures = {} if record["ok"] else {self.rank: record["error"]}
             raise_for_failures(None, failures, record["dead"])
+            req.durable_s = time.perf_counter() - req.t_submit
         for fn in req.finalize_fns:
             fn()
 

@@ -57,7 +57,7 @@ def _commit(manager: CheckpointManager, records: list[dict], extras: list[bytes 
         rel = f"{manager.step_dir(step)}/.metadata"
         size, digest = manager.storage.write_bytes(rel, build_dcp_metadata(extras))  # type: ignore[arg-type]
         files[".metadata"] = {"size": size, "xxh3": digest, "rank": 0}
-    manager.commit(step, kind, world_size, files)
+    manager.commit(step, kind, world_size, files, prune=False)  # pruned after the broadcast
 
 
 def commit_collective(manager: CheckpointManager, record: dict, extra: bytes | None,
