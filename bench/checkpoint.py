@@ -1,6 +1,6 @@
 """Benchmark: async checkpoint blocking/durable time vs torch.save, DCP async_save and machine limits.
 
-Usage: python bench/checkpoint.py --size-mb 256 [--dir /path] [--repeats 3] [--nvrx-python PY]
+Usage: python bench/checkpoint.py --size-mb 256 [--dir /path] [--repeats 5] [--nvrx-python PY]
 
 State: 64 float32 CPU tensors totalling --size-mb MiB. Limits measured in the same run: memcpy
 into an existing buffer, and fsync'd sequential write bandwidth to the same directory. Prints a
@@ -35,80 +35,78 @@ def make_state(size_mb: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(numel) for i in range(N_TENSORS)}
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+class Rounds:
+    """Runs every method once per round (interleaved), so machine-load drift hits all alike."""
+
+    def __init__(self, state, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp, self.state, self.dir = dcp, state, directory
+        self.nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.dst = {k: torch.empty_like(v) for k, v in state.items()}
+        self.src = memoryview(bytearray(os.urandom(1 << 20)) * 64)  # 64 MiB of incompressible data
+        self.ck = AsyncCheckpointer(os.path.join(directory, "tg"), keep_last=1)
+        self.samples: dict[str, list[float]] = {}
+        self.round = 0
+
+    def add(self, key: str, value: float) -> None:
+        if self.round:  # round 0 warms up (page faults, writer start, executors)
+            self.samples.setdefault(key, []).append(value)
+
+    def memcpy(self) -> None:
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, v in self.state.items():
+            self.dst[k].copy_(v)
+        self.add("memcpy_s", time.perf_counter() - t0)
 
-
-def memcpy_s(state, repeats: int) -> float:
-    dst = {k: torch.empty_like(v) for k, v in state.items()}
-    for k, v in state.items():  # pre-fault like our arenas
-        dst[k].copy_(v)
-    return median_time(lambda: [dst[k].copy_(v) for k, v in state.items()], repeats)
-
-
-def disk_write_gbps(directory: str, nbytes: int, repeats: int) -> float:
-    buf = memoryview(bytearray(os.urandom(1 << 20)) * 64)  # 64 MiB source
-    path = os.path.join(directory, "bw.bin")
-
-    def write():
+    def disk(self) -> None:
+        path = os.path.join(self.dir, "bw.bin")
+        t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        left = nbytes
+        left = self.nbytes
         while left:
-            left -= os.write(fd, buf[: min(left, len(buf))])
+            left -= os.write(fd, self.src[: min(left, len(self.src))])
         os.fsync(fd)
         os.close(fd)
+        self.add("disk_write_s", time.perf_counter() - t0)
         os.unlink(path)
 
-    return nbytes / median_time(write, repeats) / 1e9
-
-
-def torch_save_s(state, directory: str, repeats: int) -> float:
-    def save():
-        path = os.path.join(directory, "ts.pt")
+    def torch_save(self) -> None:
+        path = os.path.join(self.dir, "ts.pt")
+        t0 = time.perf_counter()
         with open(path, "wb") as f:
-            torch.save(state, f)
+            torch.save(self.state, f)
             f.flush()
             os.fsync(f.fileno())
+        self.add("torch_save_s", time.perf_counter() - t0)
         os.unlink(path)
 
-    return median_time(save, repeats)
-
-
-def dcp_async(state, directory: str, repeats: int) -> tuple[float, float]:
-    import torch.distributed.checkpoint as dcp
-
-    blocks, durables = [], []
-    for i in range(repeats + 1):
-        path = os.path.join(directory, f"dcp{i}")
+    def dcp_async(self) -> None:
+        path = os.path.join(self.dir, f"dcp{self.round}")
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=path)
-        t1 = time.perf_counter()
+        fut = self.dcp.async_save(self.state, checkpoint_id=path)
+        self.add("dcp_async_block_s", time.perf_counter() - t0)
         fut.result()
-        t2 = time.perf_counter()
-        if i:  # first call warms up the executor
-            blocks.append(t1 - t0)
-            durables.append(t2 - t0)
+        self.add("dcp_async_durable_s", time.perf_counter() - t0)
         shutil.rmtree(path, ignore_errors=True)
-    return statistics.median(blocks), statistics.median(durables)
 
+    def ours(self) -> None:
+        t0 = time.perf_counter()
+        req = self.ck.save(self.state, self.round)
+        self.add("async_block_s", time.perf_counter() - t0)
+        self.ck.wait()
+        self.add("async_durable_s", req.durable_s)  # until the manifest is committed
 
-def ours(state, directory: str, repeats: int) -> tuple[float, float]:
-    blocks, durables = [], []
-    with AsyncCheckpointer(os.path.join(directory, "tg"), keep_last=1) as ck:
-        for step in range(repeats + 1):
-            t0 = time.perf_counter()
-            req = ck.save(state, step)
-            t1 = time.perf_counter()
-            ck.wait()
-            if step:  # step 0 allocates the arena and waits for the writer to start
-                blocks.append(t1 - t0)
-                durables.append(req.durable_s)  # until the manifest is committed (before pruning)
-    return statistics.median(blocks), statistics.median(durables)
+    def run(self, rounds: int) -> dict[str, float]:
+        try:
+            for self.round in range(rounds + 1):
+                for fn in (self.memcpy, self.disk, self.ours, self.dcp_async, self.torch_save):
+                    fn()
+        finally:
+            self.ck.close()
+        out = {k: statistics.median(v) for k, v in self.samples.items()}
+        out["disk_write_gbps"] = self.nbytes / out.pop("disk_write_s") / 1e9
+        return out
 
 
 def nvrx(python: str | None) -> str:
@@ -127,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--dir", default=None, help="directory to write to (default: a temp dir)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="measured rounds (after 1 warm-up)")
     ap.add_argument("--nvrx-python", default=None, help="interpreter with NVRx installed")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="tg_bench_", dir=args.dir)
@@ -136,11 +134,7 @@ def main() -> None:
     try:
         state = make_state(args.size_mb)
         nbytes = sum(t.numel() * 4 for t in state.values())
-        r = {"size_mb": args.size_mb, "memcpy_s": memcpy_s(state, args.repeats + 2),
-             "disk_write_gbps": disk_write_gbps(base, nbytes, args.repeats)}
-        r["torch_save_s"] = torch_save_s(state, base, args.repeats)
-        r["dcp_async_block_s"], r["dcp_async_durable_s"] = dcp_async(state, base, args.repeats)
-        r["async_block_s"], r["async_durable_s"] = ours(state, base, args.repeats)
+        r = {"size_mb": args.size_mb, **Rounds(state, base).run(args.repeats)}
         r["nvrx"] = nvrx(args.nvrx_python)
     finally:
         dist.destroy_process_group()

@@ -60,6 +60,11 @@ def _rank_main(rank: int, port: int, root: str, size_mb: int, repeats: int, conn
         mgr.save(state, 0)  # warm-up: writer start, arena allocation
         res[f"{name}_save_s"] = [_timed(lambda it=it, m=mgr: m.save(state, it))
                                  for it in range(1, repeats + 1)]
+        res[f"{name}_async_block_s"] = []
+        for it in range(repeats + 1, 2 * repeats + 1):  # async: what the training loop waits for
+            res[f"{name}_async_block_s"].append(_timed(lambda it=it, m=mgr: m.save(state, it, is_async=True)))
+            while mgr.maybe_finalize() is None:  # one all-reduce per call, like once per step
+                time.sleep(0.001)
         mgr.close()
         res[f"{name}_load_s"] = []
         for _ in range(repeats):
@@ -111,6 +116,8 @@ def main() -> None:
     table.add_column("seconds")
     for key, label in (("local_save_s", "LocalCheckpointManager.save (sync, durable)"),
                        ("local_repl_save_s", "... with replication F=2"),
+                       ("local_async_block_s", "save(is_async=True): blocking part"),
+                       ("local_repl_async_block_s", "... with replication (runs in background)"),
                        ("torch_save_s", "torch.save + fsync"),
                        ("local_load_s", "LocalCheckpointManager.load (verified)"),
                        ("local_repl_load_s", "... with replication"),

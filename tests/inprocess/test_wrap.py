@@ -335,3 +335,23 @@ def test_wrapper_in_a_non_main_thread_uses_async_exception():
     t.start()
     t.join(20)
     assert out.get("r") == 1
+
+
+def test_previous_iteration_objects_are_collected():
+    import weakref
+
+    class Model:
+        pass
+
+    refs = []
+
+    @Wrapper(**FAST)
+    def fn(cw: CallWrapper):
+        model = Model()
+        model.self_ref = model  # a cycle: only the cycle collector frees it
+        refs.append(weakref.ref(model))
+        if cw.iteration < 2:
+            raise RuntimeError("fault while the model is alive")
+        return [r() is None for r in refs]
+
+    assert fn() == [True, True, False]

@@ -110,8 +110,8 @@ class Storage(ABC):
         with self.open_read(rel) as f:
             return f.read()
 
-    def write_bytes(self, rel: str, data: bytes) -> tuple[int, str]:
-        """Atomically write ``data``; returns (size bytes, xxh3 hex)."""
+    def write_bytes(self, rel: str, data: Any) -> tuple[int, str]:
+        """Atomically write ``data`` (any bytes-like); returns (size bytes, xxh3 hex)."""
         f = self.open_atomic(rel)
         try:
             f.write(data)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -32,7 +33,12 @@ from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier, wait_key
 from trainguard.inprocess import _coord as co
 from trainguard.inprocess import _transport
-from trainguard.inprocess._monitor_thread import Interrupter, MonitorThread, RestartInfo
+from trainguard.inprocess._monitor_thread import (
+    Interrupter,
+    MonitorThread,
+    RestartInfo,
+    open_fds,
+)
 from trainguard.inprocess._watchdog import Phase
 from trainguard.inprocess.exceptions import (
     BarrierTimeout,
@@ -91,8 +97,11 @@ class LoopMixin:
             if self.completion_done():  # completed everywhere; a late interrupt is moot
                 mt.stop()
                 return Outcome.COMPLETED
-            self.restart(mt)
-            return Outcome.RESTART
+        # Outside the handler: the exception chain (and the frames of the failed attempt it
+        # holds) must be unreachable before the restart collects garbage.
+        self.restart(mt)
+        self.collect_garbage()  # after restart() returned: its frames held fn_exception
+        return Outcome.RESTART
 
     def begin(self) -> MonitorThread:
         st, it = self.state, self.state.iteration
@@ -106,14 +115,23 @@ class LoopMixin:
         co.publish_member(self.store, self.keys, it, st.initial_rank, st.rank)
         self.interrupter.arm()
         self.completed_barrier = False
+        before = open_fds()
+        own_store = co.clone_store(self.store)
         mt = MonitorThread(
-            co.clone_store(self.store), self.keys, it, self.cfg.abort, self.state.freeze,
+            own_store, self.keys, it, self.cfg.abort, self._frozen_now,
             self.interrupter, self.atomic_lock, self.cfg.monitor_thread_interval_s,
             self.cfg.last_call_wait_s, max(self.cfg.soft_timeout_s / 4, 0.05),
         )
+        if own_store is not self.store:
+            mt.conn_fds = open_fds() - before
         mt.start()
         self.monitor_thread = mt
         return mt
+
+    def _frozen_now(self) -> Any:
+        # not a bound ``state.freeze``: a lingering monitor thread would keep that (old) state
+        # and its fn_exception (frames, tensors of the failed attempt) alive
+        return self.state.freeze()
 
     def body(self, args: tuple, kwargs: dict) -> Any:
         frozen = self.state.freeze()
@@ -181,8 +199,9 @@ class LoopMixin:
         secondary = co.is_comm_error(exc) or co.is_interrupted(self.store, self.keys, it)
         rec = co.Interruption(co.Cause.EXCEPTION.value, self.state.initial_rank, t, t,
                               repr(exc)[:300], secondary)
+        # repr now: a log record must not keep the exception (and the attempt's frames) alive
         log.log(logging.DEBUG if secondary else logging.INFO,
-                "iteration %d: %r; restarting all ranks", it, exc)
+                "iteration %d: %s; restarting all ranks", it, rec.message)
         co.record_interruption(self.store, self.keys, self.state.iteration, rec)
         self.wait_interrupt()
 
@@ -209,6 +228,7 @@ class LoopMixin:
     # -- restart -----------------------------------------------------------------------------
     def restart(self, mt: MonitorThread) -> None:
         mt.stop()
+        mt.close(0.5)
         info = mt.info or RestartInfo(co.read_interruptions(self.store, self.keys,
                                                             self.state.iteration), time.time())
         marks = [("interrupted", info.interrupt_time), ("caught", time.time())]
@@ -232,10 +252,8 @@ class LoopMixin:
         marks.append(("assigned", time.time()))
         self.records.append(record)
         self.state.advance()
-        self.collect_garbage()
-        marks.append(("collected", time.time()))
         if log.isEnabledFor(logging.DEBUG):
-            steps = ", ".join(f"{b[0]} +{b[1] - a[1]:.3f}" for a, b in zip(marks, marks[1:]))
+            steps = ", ".join(f"{b[0]} +{b[1] - a[1]:.3f}" for a, b in itertools.pairwise(marks))
             log.debug("restart phases (s): %s", steps)
 
     def iteration_barrier(self) -> None:
@@ -262,11 +280,13 @@ class LoopMixin:
 
     @staticmethod
     def collect_garbage() -> None:
-        # Objects of the failed attempt (tensors, groups, frames) must go now. Objects older
-        # than the call are frozen at setup (gc.freeze), so this scans only the call's own.
+        # Objects of the failed attempt (tensors, groups, frames) must go now. What survives a
+        # full collection is frozen (gc.freeze, undone when the call ends), so each restart
+        # scans only the objects created since the previous one (imports, caches: once).
         for _ in range(3):
             if gc.collect() == 0:
                 break
+        gc.freeze()
 
     # -- exit --------------------------------------------------------------------------------
     def exit_path(self, exc: BaseException) -> None:

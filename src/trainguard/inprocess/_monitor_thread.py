@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -228,8 +231,37 @@ class MonitorThread(threading.Thread):
             return self.firing
 
     def close(self, timeout_s: float) -> None:
+        """Stop and join (at most ``timeout_s`` s). A thread still inside a store wait at
+        interpreter exit makes the C++ runtime abort, so its connection is shut to end the
+        wait at once (``conn_fds``: descriptors of this thread's own store connection)."""
         self._stopped.set()
-        if self.is_alive() and self is not threading.current_thread():
-            self.join(timeout_s)
+        if not self.is_alive() or self is threading.current_thread():
+            return
+        for fd in self.conn_fds:
+            _shutdown_socket(fd)
+        self.join(timeout_s)
+
+
+def _shutdown_socket(fd: int) -> None:
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def open_fds() -> set[int]:
+    """This process's open descriptors (empty where /proc is missing)."""
+    try:
+        return {int(x) for x in os.listdir("/proc/self/fd")}
+    except OSError:
+        return set()
 
 

@@ -42,24 +42,27 @@ class AbortTorchDistributed(Abort):
       ``CallWrapper.init_process_group``/``CallWrapper.tracking_process_group``), which makes a
       blocked collective raise within milliseconds; the listener and the store are left alone.
     * CUDA (NCCL): abort each group's NCCL backend (communicators), in parallel threads.
-    * Then ``destroy_process_group()``.
+    * ``destroy_process_group()`` follows in the main thread once it caught the interrupt (the
+      restart loop does it); ``destroy=True`` destroys here already, as NVRx does. Destroying
+      from this thread while the main thread is still inside DDP's backward can deadlock.
 
     Runs in the monitor thread; blocks at most ``timeout_s`` seconds per NCCL abort.
     Follows: NVRx ``AbortTorchDistributed``; difference: the gloo transport break.
     """
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(self, timeout_s: float = 10.0, destroy: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.destroy = destroy
 
     def __call__(self, state: FrozenState) -> FrozenState:
         shut = _transport.shutdown_tracked()
         if dist.is_available() and dist.is_initialized():
             self._abort_nccl()
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a half-broken group may refuse; it is gone anyway
-                _log.debug("destroy_process_group failed", exc_info=True)
-        _transport.clear()
+            if self.destroy:
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - a half-broken group may refuse; it is gone
+                    _log.debug("destroy_process_group failed", exc_info=True)
         _log.debug("abort: %d sockets shut, process groups destroyed", shut)
         return state
 

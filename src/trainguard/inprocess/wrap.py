@@ -367,9 +367,8 @@ class _Runtime(LoopMixin):
     def shutdown(self) -> None:
         """Stop threads, arrive at the termination barrier, stop and reap the monitor."""
         self.interrupter.restore()
-        if self.monitor_thread is not None:  # the store host must not vanish under its wait
-            join_s = self.cfg.monitor_thread_interval_s + 0.2 if self.hosting else 0.05
-            self.monitor_thread.close(join_s)
+        if self.monitor_thread is not None:
+            self.monitor_thread.close(self.cfg.monitor_thread_interval_s + 0.5)
         if self.watchdog is not None:
             self.watchdog.close()
         self.block.set("phase", Phase.DONE)

@@ -249,7 +249,7 @@ if __name__ == "__main__":
         code = _main(sys.argv[1:])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported, then the exit code says it
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

@@ -85,6 +85,9 @@ class AsyncCheckpointer(LoadMixin):
         collective_timeout: timeout of the checkpointer's own gloo group (finalize/load).
         max_in_flight: staging arenas (host memory = this x state size); a save waits for the
             oldest write when all are busy.
+        staging_budget_bytes: cap on all staging arenas together (None: max_in_flight x state);
+            saves wait for older writes to fit, and a state larger than the cap raises
+            ConfigError up front instead of exhausting host memory.
         on_error: ``"raise"`` (default) or ``"log"``: a failed save is logged and counted in
             ``failed_saves`` and training continues (the next save retries).
         writer_nice: niceness added to the writer (e.g. 10 on CPU-bound trainers; 0 = same).
@@ -104,7 +107,8 @@ class AsyncCheckpointer(LoadMixin):
     def __init__(self, root: Any = None, *, format: str = "torch", keep_last: int = 2,
                  write_timeout: float | timedelta = 600.0,
                  collective_timeout: float | timedelta = 600.0, max_in_flight: int = 2,
-                 use_dist: bool | None = None, writer_nice: int = 0, on_error: str = "raise",
+                 staging_budget_bytes: int | None = None, use_dist: bool | None = None,
+                 writer_nice: int = 0, on_error: str = "raise",
                  faults: dict[int, dict] | None = None) -> None:
         if format not in ("torch", "dcp"):
             raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
@@ -127,7 +131,12 @@ class AsyncCheckpointer(LoadMixin):
         self.manager = CheckpointManager(root, keep_last) if root is not None else None
         self.faults = dict(faults or {})
         self.writer = WriterProcess(self.rank, writer_nice)
-        self.pool = ArenaPool(max_in_flight)
+        if staging_budget_bytes is not None and (
+                isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int)
+                or staging_budget_bytes <= 0):
+            raise ConfigError(f"staging_budget_bytes must be a positive int or None, got "
+                              f"{staging_budget_bytes!r}")
+        self.pool = ArenaPool(max_in_flight, staging_budget_bytes)
         self.queue: deque[SaveRequest] = deque()
         self._group: Any = None
         self._last_step: int | None = None
@@ -217,10 +226,10 @@ class AsyncCheckpointer(LoadMixin):
         slots, total = _staging.plan_slots(tensors)
         req = SaveRequest(next(_ids), step, kind, rel_dir, file, url, collective,
                           Deadline(self.write_timeout_s), list(finalize_fns), t_submit=t0)
-        self._wait_for_arena()
+        trailer = pickle.dumps(([s.to_json() for s in slots], payload), protocol=5)
+        self._wait_for_arena(total + len(trailer))
         # The pickled skeleton rides in the arena behind the tensors: the request message stays
         # tiny, so sending never blocks on a writer that is still starting.
-        trailer = pickle.dumps(([s.to_json() for s in slots], payload), protocol=5)
         arena = self.pool.acquire(total + len(trailer), req.id, self._retire)
         _staging.stage(tensors, slots, arena)
         arena.buf[total : total + len(trailer)].copy_(
@@ -246,9 +255,22 @@ class AsyncCheckpointer(LoadMixin):
             except WriterDied:
                 pass
 
-    def _wait_for_arena(self) -> None:
-        while not self.pool.can_acquire():
-            oldest = next(r for r in self.queue if r.state == "writing")
+    def _wait_for_arena(self, nbytes: int) -> None:
+        """Block until staging memory for ``nbytes`` is available (older writes finish).
+
+        Raises:
+            ConfigError: the state alone exceeds ``staging_budget_bytes``.
+        """
+        budget = self.pool.budget_bytes
+        if budget is not None and self.pool.size_for(nbytes) > budget:
+            raise ConfigError(
+                f"state needs {self.pool.size_for(nbytes)} bytes of staging memory but "
+                f"staging_budget_bytes={budget}; raise the budget or checkpoint fewer/smaller "
+                "tensors per rank (e.g. shard the state)")
+        while not self.pool.can_acquire(nbytes):
+            oldest = next((r for r in self.queue if r.state == "writing"), None)
+            if oldest is None:
+                break  # nothing in flight holds memory; acquire() replaces the free arenas
             self._pump(oldest, blocking=True)
 
     # -- worker replies ---------------------------------------------------------------------

@@ -153,31 +153,44 @@ class WriterProcess:
 
 
 class ArenaPool:
-    """At most ``max_arenas`` reusable arenas; host memory stays bounded by max_arenas x state size."""
+    """Reusable arenas: at most ``max_arenas``, and at most ``budget_bytes`` in total if set.
 
-    def __init__(self, max_arenas: int) -> None:
-        self.max_arenas = max_arenas
+    Host memory for staging is therefore bounded by min(max_arenas x state, budget).
+    """
+
+    def __init__(self, max_arenas: int, budget_bytes: int | None = None) -> None:
+        self.max_arenas, self.budget_bytes = max_arenas, budget_bytes
         self.free: list[Arena] = []
         self.busy: dict[int, Arena] = {}
+
+    @staticmethod
+    def size_for(nbytes: int) -> int:
+        """Capacity allocated for a state of ``nbytes`` (5% headroom for growth)."""
+        return int(nbytes * 1.05) + 4096
 
     def count(self) -> int:
         return len(self.free) + len(self.busy)
 
-    def can_acquire(self) -> bool:
-        return bool(self.free) or self.count() < self.max_arenas
+    def can_acquire(self, nbytes: int) -> bool:
+        if any(a.capacity >= nbytes for a in self.free):
+            return True
+        busy = sum(a.capacity for a in self.busy.values())  # free ones get replaced
+        within = self.budget_bytes is None or busy + self.size_for(nbytes) <= self.budget_bytes
+        return len(self.busy) + 1 <= self.max_arenas and within
 
     def acquire(self, nbytes: int, req_id: int, on_retire) -> Arena:
-        """A free arena of >= ``nbytes`` (grown if needed); ``on_retire(arena)`` before unlinking."""
+        """A free arena of >= ``nbytes``, or a new one replacing the (too small) free ones;
+        ``on_retire(arena)`` runs before an arena is closed. Call after :meth:`can_acquire`."""
         fitting = [a for a in self.free if a.capacity >= nbytes]
         if fitting:
             arena = fitting[0]
             self.free.remove(arena)
         else:
-            if self.free:  # too small: replace it so the pool does not grow past max_arenas
-                old = self.free.pop(0)
+            for old in self.free:
                 on_retire(old)
                 old.close()
-            arena = Arena(int(nbytes * 1.05) + 4096)
+            self.free = []
+            arena = Arena(self.size_for(nbytes))
         self.busy[req_id] = arena
         return arena
 

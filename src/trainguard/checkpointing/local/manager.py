@@ -8,7 +8,7 @@ Collectives (every rank calls them together): the constructor, ``find_latest``, 
 (``is_async=False``), ``maybe_finalize`` and ``load``.
 
 Follows: NVRx ``LocalCheckpointManager``; differences: fsync + checksums, CPU tensors, async
-replication at finalize (not on the save's critical path), no 7-digit iteration limit, recovery of
+replication in a background thread (off the training thread), no 7-digit iteration limit, recovery of
 a lost shard over gloo (no CUDA needed).
 """
 
@@ -18,6 +18,8 @@ import io
 import json
 import os
 import re
+import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +38,7 @@ from trainguard.checkpointing.errors import (
 )
 from trainguard.checkpointing.local.replication import (
     CliqueReplicationStrategy,
-    exchange_bytes,
+    exchange_files,
     recv_bytes,
     send_bytes,
 )
@@ -52,6 +54,17 @@ __all__ = ["LocalCheckpointManager"]
 _log = get_logger("trainguard.checkpointing.local")
 _FILE_RE = re.compile(r"^iter_(\d+)_(\d+)_local\.pt$")
 CkptID = tuple[int, int]  # (iteration, owner rank)
+
+
+@dataclass
+class _Pending:
+    """The one unfinalized local save: writing -> replicating -> done."""
+
+    iteration: int
+    req: SaveRequest
+    phase: str = "writing"
+    thread: threading.Thread | None = None
+    repl_error: str | None = None
 
 
 def _name(iteration: int, owner: int) -> str:
@@ -97,7 +110,8 @@ class LocalCheckpointManager:
                 if self.rank in clique:
                     self._clique, self._clique_group = clique, g
         self._writer = AsyncCheckpointer(None, use_dist=False, write_timeout=write_timeout)
-        self._pending: tuple[int, SaveRequest] | None = None
+        self._pending: _Pending | None = None
+        self._collective_timeout_s = timeout.total_seconds()
         self._latest: int | None = None
         self._last_saved: int | None = None
         self._holdings: list[list[CkptID]] = []
@@ -153,8 +167,9 @@ class LocalCheckpointManager:
              is_async: bool = False) -> SaveRequest | None:
         """Save this rank's state as ``iteration``; collective when ``is_async`` is False.
 
-        Blocks for staging (a memcpy); with ``is_async`` the write, replication and cleanup happen
-        in :meth:`maybe_finalize`. A previous unfinalized save is finalized first.
+        Blocks for staging (a memcpy); with ``is_async`` the write (writer process) and the
+        replication (background thread) proceed while training runs; call :meth:`maybe_finalize`
+        every step (or ``blocking=True``) to complete them. A previous unfinalized save is finalized first.
 
         Raises:
             ConfigError: iteration not newer than the latest found.
@@ -173,7 +188,7 @@ class LocalCheckpointManager:
         devices = [str(t.device) for t in tasd.tensors]
         payload = {"state": tasd.to_state_dict(), "devices": devices}
         req = self._writer.async_save(payload, self.storage.full_path(_name(iteration, self.rank)))
-        self._pending, self._latest = (iteration, req), None
+        self._pending, self._latest = _Pending(iteration, req), None
         if not is_async:
             self.maybe_finalize(blocking=True)
             return None
@@ -190,50 +205,83 @@ class LocalCheckpointManager:
                 errors)
 
     def maybe_finalize(self, blocking: bool = False) -> int | None:
-        """Finish the pending save: sidecar, replication, cleanup. Returns its iteration or None.
+        """Advance the pending save; returns its iteration once complete on every rank, else None.
 
-        Non-blocking: returns None unless the write finished on every rank (one all-reduce).
+        Phases: write (writer process) -> sidecar -> replication (a background thread on the
+        clique group, off the training thread) -> cleanup of older iterations. Non-blocking
+        calls cost one all-reduce each and never wait.
+
+        Raises:
+            CheckpointWriteError: the write or the replication failed on some rank (all raise).
         """
-        if self._pending is None:
+        p = self._pending
+        if p is None:
             return None
-        iteration, req = self._pending
-        if not blocking and self.use_dist:
-            flag = torch.tensor([int(self._writer.is_written(req))], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-            if not flag.item():
+        if p.phase == "writing":
+            if not self._everyone(lambda: self._writer.is_written(p.req), blocking):
                 return None
-        elif not blocking and not self._writer.is_written(req):
+            self._pending = None
+            self._agree(self._finish_write(p), "write", p.iteration)
+            if self._clique_group is None:
+                return self._complete(p)
+            self._pending, p.phase = p, "replicating"
+            p.thread = threading.Thread(target=self._replicate_into, args=(p,), daemon=True,
+                                        name=f"tg-ckpt-replicate-{self.rank}")
+            p.thread.start()
+        if blocking:
+            p.thread.join(self._collective_timeout_s)  # type: ignore[union-attr]
+        if not self._everyone(lambda: not p.thread.is_alive(), blocking):  # type: ignore[union-attr]
             return None
         self._pending = None
-        error = None
+        if p.thread.is_alive():  # type: ignore[union-attr]
+            p.repl_error = f"replication still running after {self._collective_timeout_s:.0f} s"
+        self._agree(p.repl_error, "replication", p.iteration)
+        return self._complete(p)
+
+    def _everyone(self, local_done, blocking: bool) -> bool:
+        """Blocking: True. Otherwise whether ``local_done()`` holds on every rank (all-reduce)."""
+        if blocking:
+            return True
+        done = bool(local_done())
+        if not self.use_dist:
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def _finish_write(self, p: _Pending) -> str | None:
         try:
             self._writer.wait()
-            info = req.record["files"][_name(iteration, self.rank)]
-            meta = {"iteration": iteration, "owner": self.rank, "world_size": self.world_size,
+            info = p.req.record["files"][_name(p.iteration, self.rank)]
+            meta = {"iteration": p.iteration, "owner": self.rank, "world_size": self.world_size,
                     "size": info["size"], "xxh3": info["xxh3"]}
-            self.storage.write_bytes(_name(iteration, self.rank)[:-3] + ".json",
+            self.storage.write_bytes(_name(p.iteration, self.rank)[:-3] + ".json",
                                      json.dumps(meta).encode())
         except (CheckpointWriteError, OSError) as exc:
-            error = str(exc)
-        self._agree(error, "write", iteration)
-        if self._clique_group is not None:
-            self._agree(self._replicate(iteration), "replication", iteration)
-        self._cleanup(iteration)
-        self._last_saved, self._latest = iteration, None  # find_latest re-lists holdings
-        return iteration
+            return str(exc)
+        return None
+
+    def _replicate_into(self, p: _Pending) -> None:
+        try:
+            p.repl_error = self._replicate(p.iteration)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by maybe_finalize
+            p.repl_error = f"{type(exc).__name__}: {exc}"
+
+    def _complete(self, p: _Pending) -> int:
+        self._cleanup(p.iteration)
+        self._last_saved, self._latest = p.iteration, None  # find_latest re-lists holdings
+        return p.iteration
 
     def _replicate(self, iteration: int) -> str | None:
         name = _name(iteration, self.rank)
-        data = self.storage.read_bytes(name)
         meta = self.storage.read_bytes(name[:-3] + ".json")
-        blobs = exchange_bytes(meta + b"\n" + data, self._clique_group, len(self._clique))
+        pairs = exchange_files(meta, self.storage.full_path(name), self._clique_group,
+                               len(self._clique))
         try:
-            for owner, blob in zip(self._clique, blobs):
+            for owner, (raw_meta, shard) in zip(self._clique, pairs):
                 if owner == self.rank:
                     continue
-                raw_meta, _, shard = blob.partition(b"\n")
-                peer = json.loads(raw_meta)
-                if xxhash.xxh3_64_hexdigest(shard) != peer["xxh3"]:
+                if xxhash.xxh3_64_hexdigest(shard) != json.loads(raw_meta)["xxh3"]:
                     return f"replica of rank {owner} arrived corrupted"
                 self.storage.write_bytes(_name(iteration, owner), shard)
                 self.storage.write_bytes(_name(iteration, owner)[:-3] + ".json", raw_meta)

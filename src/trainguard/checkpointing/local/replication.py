@@ -7,6 +7,7 @@ the sender for a lost shard is the lowest-ranked holder (deterministic on every 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from trainguard.errors import ConfigError
 
-__all__ = ["CliqueReplicationStrategy", "exchange_bytes", "recv_bytes", "send_bytes"]
+__all__ = ["CliqueReplicationStrategy", "exchange_files", "recv_bytes", "send_bytes"]
 
 
 class CliqueReplicationStrategy:
@@ -56,17 +57,32 @@ class CliqueReplicationStrategy:
         return next(c for c in self.cliques(world_size) if rank in c)
 
 
-def exchange_bytes(data: bytes, group: Any, group_size: int) -> list[bytes]:
-    """All-gather variable-length byte strings within ``group`` (one per member, group order)."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
-    longest = max(int(s.item()) for s in sizes)
+def exchange_files(header: bytes, path: str, group: Any, group_size: int
+                   ) -> list[tuple[bytes, memoryview]]:
+    """All-gather (header, file contents) within ``group``, one pair per member in group order.
+
+    The file is read straight into the send buffer and received shards are returned as views of
+    the receive buffers, so a shard is copied once from disk and once off the wire.
+    """
+    size = os.path.getsize(path)
+    mine_sizes = torch.tensor([len(header), size], dtype=torch.int64)
+    sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(group_size)]
+    dist.all_gather(sizes, mine_sizes, group=group)
+    longest = max(int(s.sum().item()) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    view = memoryview(mine.numpy())
+    view[: len(header)] = header
+    with open(path, "rb") as f:
+        if f.readinto(view[len(header) : len(header) + size]) != size:
+            raise OSError(f"{path} changed size while being replicated")
     bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(group_size)]
     dist.all_gather(bufs, mine, group=group)
-    return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes)]
+    out = []
+    for b, s in zip(bufs, sizes):
+        h, n = int(s[0].item()), int(s[1].item())
+        raw = memoryview(b.numpy())
+        out.append((bytes(raw[:h]), raw[h : h + n]))
+    return out
 
 
 def send_bytes(data: bytes, dst: int, group: Any) -> None:
