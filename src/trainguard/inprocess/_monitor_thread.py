@@ -176,6 +176,7 @@ class MonitorThread(threading.Thread):
         self._stopped = threading.Event()
         self.firing = False
         self.info: RestartInfo | None = None
+        self.conn_fds: set[int] = set()
 
     def run(self) -> None:
         key = self.keys.it(self.iteration, "interrupted")

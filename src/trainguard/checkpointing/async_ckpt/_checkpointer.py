@@ -15,7 +15,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +27,7 @@ from trainguard._core.logging import get_logger
 from trainguard.checkpointing import _staging
 from trainguard.checkpointing.async_ckpt._commit import commit_collective, raise_for_failures
 from trainguard.checkpointing.async_ckpt._loading import LoadMixin
+from trainguard.checkpointing.async_ckpt._request import SaveRequest
 from trainguard.checkpointing.async_ckpt._writer import ArenaPool, WriterDied, WriterProcess
 from trainguard.checkpointing.errors import (
     CheckpointTimeout,
@@ -50,27 +50,6 @@ def abort_all_checkpointers() -> None:
 
 
 register_reset_callback("trainguard.checkpointing.async", abort_all_checkpointers)
-
-
-@dataclass
-class SaveRequest:
-    """One queued save. ``state`` goes writing -> written|failed; finalize pops it."""
-
-    id: int
-    step: int | None
-    kind: str
-    rel_dir: str
-    file: str
-    storage_url: str
-    collective: bool
-    deadline: Deadline
-    finalize_fns: list[Callable[[], None]] = field(default_factory=list)
-    state: str = "writing"
-    record: dict[str, Any] = field(default_factory=dict)
-    extra: bytes | None = None
-    stage_s: float = 0.0
-    t_submit: float = 0.0
-    durable_s: float | None = None  # submit -> committed on every rank (set by finalize)
 
 
 class AsyncCheckpointer(LoadMixin):
