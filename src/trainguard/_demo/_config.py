@@ -4,7 +4,7 @@ Layout of the output directory::
 
     config.json            this run's DemoConfig
     data.npz               digits train/test split (standardised), made once by the parent
-    checkpoint.pt          model + optimizer + step, replaced atomically (temp file + rename)
+    checkpoints/           trainguard.checkpointing step dirs (one torch file per rank + manifest)
     events/rank{R}.jsonl   one JSON object per line per initial rank R
     markers/fault{I}.json  a fault that already fired (so a restart does not fire it again)
     logs/rank{R}.log       the rank's stdout/stderr
@@ -26,7 +26,7 @@ __all__ = ["RUN_FILES", "DemoConfig", "clear_run_files"]
 
 # Everything a previous run may have left in the output directory (removed before a new run).
 RUN_FILES = (
-    "config.json", "data.npz", "checkpoint.pt", "events", "markers", "logs", "pids",
+    "config.json", "data.npz", "checkpoint.pt", "checkpoints", "sync_baseline.pt", "events", "markers", "logs", "pids",
     "summary.json", "timeline.png",
 )
 
@@ -82,8 +82,9 @@ class DemoConfig:
         return str(self.root / "pids" / "monitor{rank}.pid")
 
     @property
-    def checkpoint_path(self) -> Path:
-        return self.root / "checkpoint.pt"
+    def checkpoint_dir(self) -> Path:
+        """Where the asynchronous checkpointer keeps its committed steps."""
+        return self.root / "checkpoints"
 
     @property
     def data_path(self) -> Path:

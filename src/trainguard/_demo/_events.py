@@ -8,7 +8,11 @@ wrapper's restart records use) and ``rank`` (initial rank). Types written by a r
   ``active_world_size``, ``world_size``, ``resume_step``, ``t_fn`` when the function was
   called, before process-group set-up and the checkpoint reload).
 * ``step``: a step finished (``step``, ``t0`` start time, ``loss``, ``iteration``).
-* ``checkpoint``: a checkpoint was written after ``step``.
+* ``checkpoint_save``: this rank staged checkpoint ``step`` (``block_ms``: what the training
+  loop waited, ``stage_ms``: the memcpy part).
+* ``checkpoint``: checkpoint ``step`` was committed on every rank (active rank 0 only;
+  ``committed_at`` step, ``block_ms``, ``poll_ms``, ``durable_ms`` save -> committed).
+* ``checkpoint_sync``: once per run, the median ``ms`` of a synchronous save of the same state.
 * ``fault``: a fault is about to fire (``kind``, ``step``, ``index``, ``iteration``).
 * ``restart``: one of the wrapper's restart records (its fields, as given).
 * ``done``: training finished (``accuracy``, ``step``); ``exit``: the process is leaving

@@ -14,6 +14,9 @@ Definitions (all times are wall-clock seconds from the event logs):
 * ``goodput``: useful step time (each step counted once, in the iteration that kept it) divided
   by the demo's whole wall time (process start-up included); ``train_goodput`` divides by the
   span from the first step's start to the last step's end instead.
+* ``checkpoint``: the asynchronous checkpoints: saves staged (all ranks) and commits, the
+  median/max milliseconds a save blocked the training loop, the commit poll and save ->
+  durable times, and the synchronous save of the same state timed once in the same run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 from trainguard._demo._schedule import FaultSpec
 
-__all__ = ["ACCURACY_TARGET", "build_summary", "render_table"]
+__all__ = ["ACCURACY_TARGET", "build_summary", "checkpoint_summary", "render_table"]
 
 ACCURACY_TARGET = 0.95
 
@@ -187,6 +190,36 @@ def build_summary(
         "timed_out": timed_out,
         "problems": problems,
         "ok": not problems,
+        "checkpoint": checkpoint_summary(events),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def checkpoint_summary(events: dict[int, list[dict]]) -> dict:
+    """The ``checkpoint`` entry of the summary, from ``checkpoint_save``/``checkpoint``/
+    ``checkpoint_sync`` events (milliseconds; None where nothing was measured)."""
+    saves, commits = _of(events, "checkpoint_save"), _of(events, "checkpoint")
+    block = [float(e["block_ms"]) for e in saves if "block_ms" in e]
+    sync = _of(events, "checkpoint_sync")
+    sync_ms = float(sync[0]["ms"]) if sync else None
+    median_block = _median(block)
+    lags = [int(e["committed_at"]) - int(e["step"]) for e in commits if "committed_at" in e]
+    return {
+        "format": next((e["format"] for e in saves if "format" in e), None),
+        "saves": len(saves),
+        "committed": len(commits),
+        "committed_steps": sorted({int(e["step"]) for e in commits}),
+        "median_block_ms": median_block,
+        "max_block_ms": round(max(block), 3) if block else None,
+        "median_stage_ms": _median([float(e["stage_ms"]) for e in saves if "stage_ms" in e]),
+        "median_poll_ms": _median([float(e["poll_ms"]) for e in commits if "poll_ms" in e]),
+        "median_durable_ms": _median([float(e["durable_ms"]) for e in commits if "durable_ms" in e]),
+        "max_commit_lag_steps": max(lags) if lags else None,
+        "sync_save_ms": sync_ms,
+        "sync_vs_async_block": round(sync_ms / median_block, 1) if sync_ms and median_block else None,
     }
 
 
@@ -246,6 +279,15 @@ def render_table(summary: dict, width: int | None = None) -> Any:
         f"steps {summary['steps_completed']}/{summary['steps']}, restarts {summary['restarts']}"
         + (f" ({len(summary['unplanned_restarts'])} unplanned)" if summary["unplanned_restarts"] else ""),
     ]
+    ck = summary.get("checkpoint") or {}
+    if ck.get("saves"):
+        sync = f"{ck['sync_save_ms']:.1f} ms" if ck.get("sync_save_ms") is not None else "not measured"
+        lines.append(
+            f"checkpoints ({ck['format']}, async): {ck['committed']} committed, {ck['saves']} saves; "
+            f"training blocked {_fmt(ck['median_block_ms'])} ms median "
+            f"(max {_fmt(ck['max_block_ms'])}) per save vs {sync} for a synchronous "
+            f"torch.save + fsync; durable after {_fmt(ck['median_durable_ms'])} ms median"
+        )
     verdict = "PASS" if summary["ok"] else "FAIL: " + "; ".join(summary["problems"])
     status = Text(verdict, style="bold green" if summary["ok"] else "bold red")
     return Group(table, *(Text(line) for line in lines), status)

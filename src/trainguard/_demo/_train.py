@@ -1,17 +1,17 @@
 """The demo's training function: DDP over gloo on the digits split, run under ``inprocess.Wrapper``.
 
 Each call of :func:`train` is one restart iteration: it joins this iteration's process group,
-rebuilds the model, reloads the latest checkpoint (so every iteration resumes from the same
-state on every rank), and runs global steps ``resume_step + 1 .. steps``. Objects that do not
-depend on a process group (the data arrays, the event log, the fault injector) live in
-:class:`Trainer` and survive restarts.
+rebuilds the model, reloads the newest checkpoint committed on every rank (so every iteration
+resumes from the same state on every rank), and runs global steps ``resume_step + 1 .. steps``,
+saving asynchronously every ``checkpoint_every`` steps. Objects that do not depend on a process
+group (the data arrays, the event log, the fault injector, the checkpointer and its writer
+process) live in :class:`Trainer` and survive restarts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset
 
+from trainguard._demo._ckpt import DemoCheckpoints, load_checkpoint, save_checkpoint
 from trainguard._demo._config import DemoConfig
 from trainguard._demo._data import load_split
 from trainguard._demo._events import EventLog
@@ -36,32 +37,6 @@ def build_model(hidden: int, seed: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
     )
-
-
-def save_checkpoint(path: os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Write model + optimizer + step atomically: a temp file in the same directory, fsync, rename.
-
-    A reader sees the previous checkpoint or the new one, never a torn file, even if this
-    process is killed mid-write.
-    """
-    path = os.fspath(path)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    with open(tmp, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load the checkpoint at ``path`` into ``model``/``optimizer``; returns its step (0 if none)."""
-    if not os.path.exists(path):
-        return 0
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
 
 
 @torch.no_grad()
@@ -117,6 +92,7 @@ class Trainer:
         self.x_test = torch.from_numpy(arrays["x_test"])
         self.y_test = torch.from_numpy(arrays["y_test"])
         self.records_logged = 0
+        self.checkpoints = DemoCheckpoints(config, log)
 
     def log_restart_records(self, records: list[Any], iteration: int) -> None:
         """Write the wrapper's restart records this rank has not logged yet.
@@ -177,7 +153,7 @@ def train(trainer: Trainer, call_wrapper: CallWrapper | None = None) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg.hidden, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-4)
-    resume = load_checkpoint(cfg.checkpoint_path, model, optimizer)
+    resume = trainer.checkpoints.begin(call_wrapper, model, optimizer)  # newest committed
     ddp = DistributedDataParallel(model)
     batches = _Batches(trainer.train_set, rank, world, cfg.batch_size, cfg.seed)
     trainer.log.emit(
@@ -190,10 +166,10 @@ def train(trainer: Trainer, call_wrapper: CallWrapper | None = None) -> float:
         loss = _step(ddp, optimizer, batches.get(step), trainer.lr(step))
         trainer.log.emit("step", step=step, t0=t0, loss=round(loss, 5), iteration=iteration)
         call_wrapper.ping()
-        if rank == 0 and step % cfg.checkpoint_every == 0:
-            with call_wrapper.atomic():  # no interrupt between write and rename
-                save_checkpoint(cfg.checkpoint_path, step, model, optimizer)
-            trainer.log.emit("checkpoint", step=step, iteration=iteration)
+        trainer.checkpoints.poll(step, iteration)  # commit earlier saves once written everywhere
+        if step % cfg.checkpoint_every == 0:  # every rank stages its shard; commit is collective
+            trainer.checkpoints.save(call_wrapper, step, model, optimizer, iteration)
+    trainer.checkpoints.finish(cfg.steps, iteration)
     accuracy = evaluate(model, trainer.x_test, trainer.y_test)
     trainer.log.emit("done", step=cfg.steps, accuracy=accuracy, iteration=iteration)
     del ddp

@@ -70,6 +70,9 @@ class AsyncCheckpointer(LoadMixin):
         on_error: ``"raise"`` (default) or ``"log"``: a failed save is logged and counted in
             ``failed_saves`` and training continues (the next save retries).
         writer_nice: niceness added to the writer (e.g. 10 on CPU-bound trainers; 0 = same).
+        keep_idle_writer: ``abort()`` keeps a writer with no write in flight (it holds nothing
+            of the aborted iteration), so the saves after an in-process restart do not wait
+            seconds for a fresh writer to import torch; a busy writer is always killed.
         faults: test seam, step -> fault dict for the writer (see ``_worker``).
 
     Failure contract:
@@ -87,7 +90,7 @@ class AsyncCheckpointer(LoadMixin):
                  write_timeout: float | timedelta = 600.0,
                  collective_timeout: float | timedelta = 600.0, max_in_flight: int = 2,
                  staging_budget_bytes: int | None = None, use_dist: bool | None = None,
-                 writer_nice: int = 0, on_error: str = "raise",
+                 writer_nice: int = 0, on_error: str = "raise", keep_idle_writer: bool = False,
                  faults: dict[int, dict] | None = None) -> None:
         if format not in ("torch", "dcp"):
             raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
@@ -104,6 +107,7 @@ class AsyncCheckpointer(LoadMixin):
             raise ConfigError("use_dist=True but torch.distributed is not initialized; call "
                               "init_process_group first or pass use_dist=False")
         self.format, self.on_error, self.failed_saves = format, on_error, 0
+        self.keep_idle_writer = bool(keep_idle_writer)
         self.use_dist = dist.is_available() and dist.is_initialized() if use_dist is None else use_dist
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
@@ -144,8 +148,13 @@ class AsyncCheckpointer(LoadMixin):
                 "permissions/quota") from exc
 
     def _ensure_group(self) -> Any:
-        """Own gloo group (created collectively on first use, and again after abort())."""
+        """Own gloo group (created collectively on first use, and again after abort()).
+
+        Rank and world size are re-read with the group: after an in-process restart the
+        default group (and this process's rank in it) may have changed.
+        """
         if self.use_dist and self._group is None:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self._group = dist.new_group(backend="gloo",
                                          timeout=timedelta(seconds=self.collective_timeout_s))
         return self._group
@@ -394,9 +403,12 @@ class AsyncCheckpointer(LoadMixin):
         """Kill the writer and drop every queued save without collectives (restart path).
 
         Safe from any thread of the trainer; the next ``save`` respawns the writer and recreates
-        the checkpointer's process group.
+        the checkpointer's process group (re-reading rank and world size). With
+        ``keep_idle_writer`` a writer that owes no reply is kept.
         """
-        self.writer.kill()
+        if not (self.keep_idle_writer and self.writer.alive()
+                and all(r.state != "writing" for r in self.queue)):
+            self.writer.kill()
         for req in self.queue:
             self.pool.release(req.id)
         self.queue.clear()
