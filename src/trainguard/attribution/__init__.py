@@ -32,11 +32,11 @@ def create_app(cfg: ServiceConfig):
 
 
 __all__ = [
-    "CATEGORIES",
     "AgentDecision",
     "AnalysisResult",
     "AttributionClient",
     "AttributionError",
+    "CATEGORIES",
     "Cascade",
     "Evidence",
     "FlightRecorderError",

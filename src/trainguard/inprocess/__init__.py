@@ -24,8 +24,30 @@ from trainguard.inprocess.exceptions import (
     RestartTimeout,
 )
 from trainguard.inprocess.finalize import Finalize
-from trainguard.inprocess.health_check import HealthCheck
-from trainguard.inprocess.initialize import Initialize
+from trainguard.inprocess.health_check import (
+    CudaHealthCheck,
+    FaultCounter,
+    HealthCheck,
+    NicHealthCheck,
+    default_health_check,
+)
+from trainguard.inprocess.initialize import Initialize, RetryController
+from trainguard.inprocess.rank_assignment import (
+    ActivateAllRanks,
+    ActiveWorldSizeDivisibleBy,
+    FillGaps,
+    FilterCountGroupedByKey,
+    Layer,
+    LayerFlag,
+    MaxActiveWorldSize,
+    RankAssignment,
+    RankAssignmentCtx,
+    RankFilter,
+    ShiftRanks,
+    Tree,
+    TreeEntry,
+    default_rank_assignment,
+)
 from trainguard.inprocess.state import FrozenState, Mode, State
 from trainguard.inprocess.terminate import Terminate
 from trainguard.inprocess.wrap import CallWrapper, RestartRecord, Wrapper
@@ -33,47 +55,46 @@ from trainguard.inprocess.wrap import CallWrapper, RestartRecord, Wrapper
 __all__ = [
     "Abort",
     "AbortTorchDistributed",
+    "ActivateAllRanks",
+    "ActiveWorldSizeDivisibleBy",
     "BarrierError",
     "BarrierOverflow",
     "BarrierTimeout",
     "CallWrapper",
     "Completion",
     "Compose",
+    "CudaHealthCheck",
+    "FaultCounter",
     "FaultCounterExceeded",
+    "FillGaps",
+    "FilterCountGroupedByKey",
     "Finalize",
     "FrozenState",
     "HealthCheck",
     "HealthCheckError",
     "Initialize",
     "InternalError",
+    "Layer",
+    "LayerFlag",
+    "MaxActiveWorldSize",
     "Mode",
+    "NicHealthCheck",
+    "RankAssignment",
+    "RankAssignmentCtx",
     "RankDiscarded",
+    "RankFilter",
     "RankShouldRestart",
     "RestartAbort",
     "RestartError",
     "RestartRecord",
     "RestartTimeout",
+    "RetryController",
+    "ShiftRanks",
     "State",
     "Terminate",
+    "Tree",
+    "TreeEntry",
     "Wrapper",
+    "default_health_check",
+    "default_rank_assignment",
 ]
-
-# Rank assignment, health checks, RetryController and further hooks live in modules written
-# alongside; export whatever they declare (the coordinator finalises this list).
-def _export_all(module_name: str) -> None:
-    import importlib
-
-    try:
-        module = importlib.import_module(f"trainguard.inprocess.{module_name}")
-    except ImportError:
-        return
-    for name in getattr(module, "__all__", []):
-        if name not in globals():
-            globals()[name] = getattr(module, name)
-            __all__.append(name)
-
-
-for _module in ("rank_assignment", "health_check", "initialize", "finalize", "completion",
-                "terminate", "abort"):
-    _export_all(_module)
-del _module
