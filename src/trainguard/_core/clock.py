@@ -9,7 +9,7 @@ from datetime import timedelta
 __all__ = ["Deadline", "as_seconds", "backoff_delays", "wait_until"]
 
 
-def as_seconds(value: float | int | timedelta, name: str = "timeout") -> float:
+def as_seconds(value: float | timedelta, name: str = "timeout") -> float:
     """Convert a public duration (``timedelta`` or seconds) to float seconds.
 
     Raises:
@@ -25,7 +25,7 @@ def as_seconds(value: float | int | timedelta, name: str = "timeout") -> float:
 class Deadline:
     """A point on the monotonic clock ``timeout_s`` seconds from creation."""
 
-    __slots__ = ("start", "timeout_s", "end")
+    __slots__ = ("end", "start", "timeout_s")
 
     def __init__(self, timeout_s: float) -> None:
         self.start = time.monotonic()

@@ -38,7 +38,7 @@ def run_reset_callbacks() -> list[str]:
     for name, fn in items:
         try:
             fn()
-        except Exception:  # a reset step must not stop the others
+        except Exception:  # noqa: BLE001 - a reset step must not stop the others
             _log.exception("reset callback %r failed", name)
             failed.append(name)
     return failed

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 import psutil
 
@@ -29,7 +28,7 @@ __all__ = [
     "wait_any_sentinel",
 ]
 
-ProcLike = Union[multiprocessing.process.BaseProcess, subprocess.Popen]
+ProcLike = multiprocessing.process.BaseProcess | subprocess.Popen
 
 
 def spawn_context() -> multiprocessing.context.SpawnContext:

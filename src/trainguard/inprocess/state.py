@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from typing import Optional
 
 from trainguard.errors import ConfigError
 
@@ -35,15 +34,15 @@ class FrozenState:
     """Read-only snapshot of :class:`State` handed to hooks; assignment raises
     ``dataclasses.FrozenInstanceError``."""
 
-    rank: Optional[int]
+    rank: int | None
     world_size: int
-    active_rank: Optional[int] = None
-    active_world_size: Optional[int] = None
-    initial_rank: Optional[int] = None
-    initial_world_size: Optional[int] = None
+    active_rank: int | None = None
+    active_world_size: int | None = None
+    initial_rank: int | None = None
+    initial_world_size: int | None = None
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
-    fn_exception: Optional[BaseException] = None
+    fn_exception: BaseException | None = None
 
     def thaw(self) -> State:
         """A mutable :class:`State` copy of this snapshot."""
@@ -66,18 +65,18 @@ class State:
             elsewhere); cleared by :meth:`advance`.
     """
 
-    rank: Optional[int]
+    rank: int | None
     world_size: int
-    active_rank: Optional[int] = None
-    active_world_size: Optional[int] = None
-    initial_rank: Optional[int] = None
-    initial_world_size: Optional[int] = None
+    active_rank: int | None = None
+    active_world_size: int | None = None
+    initial_rank: int | None = None
+    initial_world_size: int | None = None
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
-    fn_exception: Optional[BaseException] = None
+    fn_exception: BaseException | None = None
 
     @classmethod
-    def from_env(cls, environ: Optional[dict] = None) -> State:
+    def from_env(cls, environ: dict | None = None) -> State:
         """Build the initial state from ``RANK`` (default 0) and ``WORLD_SIZE`` (default 1).
 
         Raises:
@@ -112,7 +111,7 @@ class State:
         self.iteration += 1
         self.fn_exception = None
 
-    def set_distributed_vars(self, environ: Optional[dict] = None) -> None:
+    def set_distributed_vars(self, environ: dict | None = None) -> None:
         """Export ``RANK``/``WORLD_SIZE`` for the wrapped function (active rank and world size).
 
         An inactive rank gets no ``RANK`` (removed), never the string ``"None"``.
