@@ -151,6 +151,7 @@ class Trainer:
             raise RuntimeError(f"injected exception on rank {self.initial_rank}, it {iteration}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(HANG_S)  # not reached: SIGKILL cannot be caught
         if kind == "hang":
             try:
                 time.sleep(HANG_S)  # a C call: the GIL is released, no bytecode runs
@@ -163,9 +164,10 @@ class Trainer:
 def warm_up() -> None:
     """Pay torch.distributed's and DDP's one-time lazy initialisation (~2 s on 2 cores) now.
 
-    Optional (``--warm-up``, off by default): a user can do the same before the wrapper. It
-    shortens a reserve rank's first activation, and it puts DDP's lazily created objects before
-    the wrapper's ``gc.freeze()``, so restart-time garbage collection does not rescan them.
+    Optional (``--warm-up``, off by default, as a plain training script would not do it): a user
+    can do the same before the wrapper. It mainly shortens a reserve rank's first activation (its
+    first DDP construction); it also creates DDP's lazily built objects before the wrapper's
+    ``gc.freeze()``, so the first restart's garbage collection does not scan them.
     """
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -238,7 +240,8 @@ def run_nvrx(args: argparse.Namespace, trainer: Trainer) -> None:
     store_kwargs = {"port": args.store_port} if args.store_port else None
 
     def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> float:  # noqa: UP045
-        assert call_wrapper is not None  # injected by the wrapper
+        if call_wrapper is None:
+            raise RuntimeError("NVRx did not inject its CallWrapper into train()")
         it = call_wrapper.iteration
         trainer.events.emit("enter", it=it)
         store = dist.PrefixStore(f"bench_it{it}", base_store)

@@ -1,10 +1,13 @@
 """The demo's asynchronous checkpoints, through :class:`trainguard.checkpointing.AsyncCheckpointer`.
 
-One checkpointer per rank process, kept across in-process restarts so its writer process stays
-warm: the restart's reset callback (run by the wrapper's abort) drops the aborted iteration's
-saves and kills a writer that was busy, and each iteration re-binds the checkpointer to its new
-process group (rank and world size may change when a reserve rank takes over) and reloads the
-newest checkpoint committed on every rank. A save costs the training loop the state-dict build
+One checkpointer per rank process, made when the process starts (reserve ranks too) and kept
+across in-process restarts, so its writer process is warm when needed: a fresh writer imports
+torch, seconds on a busy machine, longer than the demo runs between faults. The restart's reset
+callback (run by the wrapper's abort) drops the aborted iteration's saves and kills a writer that
+was busy; each iteration re-binds the checkpointer to its new process group (rank and world size
+change when a reserve rank takes over) and reloads the newest checkpoint committed on every rank.
+A save is skipped while the previous one is not committed yet, so a slow writer never blocks
+training (the skip is agreed: commits are collective). A save costs the training loop the state-dict build
 plus a memcpy into a reused staging buffer; the write, fsync and collective commit happen later,
 so a fault can never leave a torn or half-committed "latest" (the manifest is written last).
 """
@@ -95,6 +98,30 @@ class DemoCheckpoints:
         self.rank = 0
         self.measured_sync = False
 
+    def _make(self, use_dist: bool) -> AsyncCheckpointer:
+        timeout = max(60.0, self.config.hard_timeout_s + 10.0)
+        return AsyncCheckpointer(
+            self.config.checkpoint_dir, format=CHECKPOINT_FORMAT, keep_last=2,
+            write_timeout=timeout, collective_timeout=timeout, on_error="log",
+            keep_idle_writer=True, use_dist=use_dist,
+        )
+
+    def warm_up(self, rank: int) -> float:
+        """At process start, before any process group: start the writer and round-trip one tiny
+        file through it, so later saves (and restarts) never wait for a writer to start.
+
+        Returns the seconds it took.
+        """
+        t0 = time.perf_counter()
+        self.ckpt = self._make(use_dist=False)
+        path = self.config.checkpoint_dir / f"warmup_rank{rank}.pt"
+        self.ckpt.async_save({"rank": rank, "probe": torch.zeros(4)}, str(path))
+        self.ckpt.wait()
+        os.unlink(path)
+        seconds = time.perf_counter() - t0
+        self.log.emit("checkpoint_writer_ready", seconds=round(seconds, 3))
+        return seconds
+
     def begin(self, call_wrapper: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Bind to this iteration's process group and load the newest committed checkpoint.
 
@@ -103,17 +130,12 @@ class DemoCheckpoints:
         import torch.distributed as dist
 
         self.rank, self.pending = dist.get_rank(), {}
-        timeout = max(60.0, self.config.hard_timeout_s + 10.0)
         # Groups made inside are tracked, so the wrapper's abort can break a blocked collective.
         with call_wrapper.tracking_process_group():
-            if self.ckpt is None:
-                self.ckpt = AsyncCheckpointer(
-                    self.config.checkpoint_dir, format=CHECKPOINT_FORMAT, keep_last=2,
-                    write_timeout=timeout, collective_timeout=timeout, on_error="log",
-                    keep_idle_writer=True,
-                )
+            if self.ckpt is None:  # finish() closed it and this rank is needed again
+                self.ckpt = self._make(use_dist=True)
             else:
-                self.ckpt.abort()  # done by the restart already (idempotent): drop the old group
+                self.ckpt.rebind()  # this iteration's group, rank and world size
             return self._load(model, optimizer)
 
     def _checkpointer(self) -> AsyncCheckpointer:
@@ -136,8 +158,15 @@ class DemoCheckpoints:
 
     def save(self, call_wrapper: Any, step: int, model: nn.Module,
              optimizer: torch.optim.Optimizer, iteration: int) -> None:
-        """Stage checkpoint ``step`` (all active ranks); blocks only for the memcpy."""
+        """Stage checkpoint ``step`` (all active ranks); blocks only for the memcpy.
+
+        Skipped (``checkpoint_skip`` event) while the previous save is not committed.
+        """
         ckpt = self._checkpointer()
+        if ckpt.num_unfinalized:
+            self.log.emit("checkpoint_skip", step=step, iteration=iteration,
+                          pending=sorted(self.pending))
+            return
         if self.rank == 0 and not self.measured_sync:
             self.measured_sync = True
             ms = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)

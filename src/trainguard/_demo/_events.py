@@ -13,6 +13,8 @@ wrapper's restart records use) and ``rank`` (initial rank). Types written by a r
 * ``checkpoint``: checkpoint ``step`` was committed on every rank (active rank 0 only;
   ``committed_at`` step, ``block_ms``, ``poll_ms``, ``durable_ms`` save -> committed).
 * ``checkpoint_sync``: once per run, the median ``ms`` of a synchronous save of the same state.
+* ``checkpoint_skip``: a save was skipped because the previous one is not committed yet.
+* ``checkpoint_writer_ready``: at start, the ``seconds`` until the writer process worked.
 * ``fault``: a fault is about to fire (``kind``, ``step``, ``index``, ``iteration``).
 * ``restart``: one of the wrapper's restart records (its fields, as given).
 * ``done``: training finished (``accuracy``, ``step``); ``exit``: the process is leaving

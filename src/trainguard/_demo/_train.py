@@ -93,6 +93,7 @@ class Trainer:
         self.y_test = torch.from_numpy(arrays["y_test"])
         self.records_logged = 0
         self.checkpoints = DemoCheckpoints(config, log)
+        self.checkpoints.warm_up(rank)
 
     def log_restart_records(self, records: list[Any], iteration: int) -> None:
         """Write the wrapper's restart records this rank has not logged yet.

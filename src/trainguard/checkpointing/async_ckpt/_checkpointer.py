@@ -414,6 +414,19 @@ class AsyncCheckpointer(LoadMixin):
         self.queue.clear()
         self._group = None
 
+    def rebind(self) -> None:
+        """Attach to the current default process group, e.g. at the start of every in-process
+        restart iteration (the world may have changed) or after ``init_process_group`` when the
+        checkpointer was made before it (``use_dist=False``, to start its writer early).
+
+        Drops in-flight saves like :meth:`abort`; rank and world size are re-read and the
+        checkpointer's own group is recreated (collectively) on next use.
+        """
+        self.abort()
+        self.use_dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.use_dist else 0
+        self.world_size = dist.get_world_size() if self.use_dist else 1
+
     def close(self, finalize: bool = True) -> None:
         """Finalize pending saves (if ``finalize``), stop the writer, unlink staging memory."""
         try:
