@@ -168,3 +168,33 @@ def test_event_log_round_trip_and_tail_skips_torn_lines(tmp_path):
     assert [e["ev"] for e in tail.poll()] == ["step"]
     log.close()
     assert [e["ev"] for e in read_events(tmp_path)[3]] == ["start", "step"]
+
+
+def test_checkpoint_figures_in_the_summary_and_table():
+    run = Run()
+    run.iteration([0, 1], 0, 0, 2, 5.0)
+    run.emit(0, "checkpoint_sync", 6.0, step=10, ms=30.0, samples=3)
+    for rank, block in ((0, 1.0), (1, 3.0), (0, 2.0), (1, 50.0)):
+        run.emit(rank, "checkpoint_save", 6.0, step=10, iteration=0, format="torch",
+                 block_ms=block, stage_ms=block / 2)
+    for rank in (0, 1):  # every rank skips alike: one skip
+        run.emit(rank, "checkpoint_skip", 6.1, step=20, iteration=0)
+    for step, at, durable in ((10, 12, 40.0), (20, 21, 20.0), (20, 23, 60.0)):
+        run.emit(0, "checkpoint", 6.2, step=step, iteration=0, committed_at=at, block_ms=1.0,
+                 commit_ms=5.0, durable_ms=durable)
+    summary = build_summary(run.events, [], steps=2, wall_s=10.0)
+    ck = summary["checkpoint"]
+    assert ck["format"] == "torch" and ck["saves"] == 4 and ck["committed"] == 3
+    assert ck["skipped"] == 1 and ck["median_commit_ms"] == 5.0
+    assert ck["committed_steps"] == [10, 20]  # step 20 committed twice (re-done after a restart)
+    assert ck["median_block_ms"] == 2.5 and ck["max_block_ms"] == 50.0
+    assert ck["median_durable_ms"] == 40.0 and ck["max_commit_lag_steps"] == 3
+    assert ck["sync_save_ms"] == 30.0 and ck["sync_vs_async_block"] == 12.0
+    console = Console(record=True, width=160)
+    console.print(render_table(summary, width=160))
+    assert "training blocked 2.50 ms median (max 50.00) per save vs 30.0 ms" in console.export_text()
+
+
+def test_checkpoint_figures_without_checkpoints_are_empty():
+    ck = build_summary(two_fault_run().events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)["checkpoint"]
+    assert ck["saves"] == 0 and ck["median_block_ms"] is None and ck["sync_vs_async_block"] is None

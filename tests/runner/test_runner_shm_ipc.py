@@ -145,3 +145,33 @@ def test_receive_buffers_rotate_and_never_alias_live_results():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_replenish_readies_a_buffer_when_the_worker_keeps_every_input():
+    import numpy as np
+
+    from trainguard.runner._transport import Receiver, Sender
+
+    sender, receiver = Sender(unique_prefix("t") + "i", 8 << 20), Receiver()
+    try:
+        base = np.arange(1 << 20, dtype=np.float32)
+        kept = [receiver.decode(sender.encode(base + k)) for k in range(4)]  # every buffer busy
+        receiver.replenish()  # what a rank does after replying
+        ready = [id(b) for b in receiver._pool]  # ids: holding the buffers would pin them
+        nxt = receiver.decode(sender.encode(base + 9))
+        owner = nxt.base
+        while not isinstance(owner, memoryview):  # ndarray views wrap the pickle buffer
+            owner = owner.base
+        owner = owner.obj
+        print("next buffer came from the replenished pool:", id(owner) in ready)
+        assert id(owner) in ready  # no allocation while the caller waited
+        assert [float(k[0]) for k in kept] == [0.0, 1.0, 2.0, 3.0]  # kept inputs untouched
+        assert float(nxt[0]) == 9.0
+        receiver.replenish()  # the free buffer is in use again: nothing to keep ready here
+        del nxt
+        before = [id(b) for b in receiver._pool]
+        receiver.replenish()  # a free buffer of the right size exists: no new allocation
+        assert [id(b) for b in receiver._pool] == before
+    finally:
+        sender.close()
+        receiver.close()

@@ -6,8 +6,8 @@ torch, seconds on a busy machine, longer than the demo runs between faults. The 
 callback (run by the wrapper's abort) drops the aborted iteration's saves and kills a writer that
 was busy; each iteration re-binds the checkpointer to its new process group (rank and world size
 change when a reserve rank takes over) and reloads the newest checkpoint committed on every rank.
-A save is skipped while the previous one is not committed yet, so a slow writer never blocks
-training (the skip is agreed: commits are collective). A save costs the training loop the state-dict build
+The collective commit runs in a thread, so the loop pays only the staging memcpy; a save is
+skipped while the previous one is not committed yet, so a slow writer never blocks training. A save costs the training loop the state-dict build
 plus a memcpy into a reused staging buffer; the write, fsync and collective commit happen later,
 so a fault can never leave a torn or half-committed "latest" (the manifest is written last).
 """
@@ -15,16 +15,19 @@ so a fault can never leave a torn or half-committed "latest" (the manifest is wr
 from __future__ import annotations
 
 import os
+import queue
 import statistics
+import threading
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainguard._demo._config import DemoConfig
 from trainguard._demo._events import EventLog
-from trainguard.checkpointing import AsyncCheckpointer, CheckpointNotFoundError, SaveRequest
+from trainguard.checkpointing import AsyncCheckpointer, CheckpointNotFoundError
 
 __all__ = [
     "CHECKPOINT_FORMAT", "DemoCheckpoints", "apply_state", "checkpoint_state", "load_checkpoint",
@@ -32,7 +35,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "torch"  # one file per rank; the DDP replicas are identical
-SYNC_SAMPLES = 3  # synchronous saves timed once per run (rank 0, first checkpoint) for comparison
+SYNC_SAMPLES = 5  # synchronous saves timed once per run (rank 0, first checkpoint) for comparison
 
 
 def checkpoint_state(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -85,24 +88,33 @@ def sync_save_ms(path: os.PathLike, step: int, model: nn.Module,
 class DemoCheckpoints:
     """Per-process checkpoint state of one demo rank (lives in ``Trainer``, survives restarts).
 
+    The training loop only stages (``save``); a committer thread per iteration runs the
+    collective finalize (all-gather of the ranks' records, manifest + fsync, pruning) on the
+    checkpointer's own process group, off the loop. One save is in flight at a time: the next
+    one is skipped, by all ranks alike, until it is committed; a scalar all-reduce started one
+    step ahead (:meth:`prepare`) decides, so the loop does not wait for it.
+
     Args:
         config: run configuration (checkpoint directory, timeouts).
-        log: the rank's event log (``checkpoint_save`` per save, ``checkpoint`` per commit on
-            active rank 0, ``checkpoint_sync`` once).
+        log: the rank's event log (``checkpoint_save``/``checkpoint_skip`` per save,
+            ``checkpoint`` per commit on active rank 0, ``checkpoint_sync`` once).
     """
 
     def __init__(self, config: DemoConfig, log: EventLog) -> None:
         self.config, self.log = config, log
         self.ckpt: AsyncCheckpointer | None = None
-        self.pending: dict[int, tuple[SaveRequest, float]] = {}
-        self.rank = 0
+        self.rank, self.step = 0, 0  # active rank; the loop's current step (for commit lag)
         self.measured_sync = False
+        self.jobs: queue.Queue = queue.Queue()
+        self.committer: threading.Thread | None = None
+        self.busy = threading.Event()  # a save is staged and not committed (or failed) yet
+        self.timeout_s = max(60.0, config.hard_timeout_s + 10.0)
+        self.vote: tuple[torch.Tensor, Any] | None = None  # the pending skip vote (flag, work)
 
     def _make(self, use_dist: bool) -> AsyncCheckpointer:
-        timeout = max(60.0, self.config.hard_timeout_s + 10.0)
         return AsyncCheckpointer(
             self.config.checkpoint_dir, format=CHECKPOINT_FORMAT, keep_last=2,
-            write_timeout=timeout, collective_timeout=timeout, on_error="log",
+            write_timeout=self.timeout_s, collective_timeout=self.timeout_s, on_error="log",
             keep_idle_writer=True, use_dist=use_dist,
         )
 
@@ -126,17 +138,25 @@ class DemoCheckpoints:
         """Bind to this iteration's process group and load the newest committed checkpoint.
 
         Collective (every active rank). Returns the step loaded (0 when none).
-        """
-        import torch.distributed as dist
 
-        self.rank, self.pending = dist.get_rank(), {}
+        Raises:
+            RuntimeError: the previous iteration's committer did not stop (the restart's abort
+                should have broken its collective); the wrapper restarts again.
+        """
+        self._stop_committer(5.0)  # the restart's abort ended its wait already
+        self.rank, self.step, self.vote = dist.get_rank(), 0, None
+        self.busy.clear()
         # Groups made inside are tracked, so the wrapper's abort can break a blocked collective.
         with call_wrapper.tracking_process_group():
             if self.ckpt is None:  # finish() closed it and this rank is needed again
                 self.ckpt = self._make(use_dist=True)
             else:
                 self.ckpt.rebind()  # this iteration's group, rank and world size
-            return self._load(model, optimizer)
+            step = self._load(model, optimizer)
+        self.committer = threading.Thread(target=self._commit_loop, args=(self.ckpt,),
+                                          name="demo-checkpoint-commit", daemon=True)
+        self.committer.start()
+        return step
 
     def _checkpointer(self) -> AsyncCheckpointer:
         if self.ckpt is None:
@@ -156,49 +176,78 @@ class DemoCheckpoints:
                 return 0
         return apply_state(state, model, optimizer)
 
+    def prepare(self) -> None:
+        """One step before a save (all active ranks): start the all-reduce that decides whether
+        it is skipped (is any rank's previous save still uncommitted?) in the background."""
+        flag = torch.tensor([1 if self.busy.is_set() else 0], dtype=torch.int32)
+        self.vote = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+
+    def _skip(self) -> bool:
+        if self.vote is None:  # no prepare() in this iteration yet: vote now
+            self.prepare()
+        flag, work = self.vote  # type: ignore[misc]
+        self.vote = None
+        work.wait()
+        return bool(flag.item())
+
     def save(self, call_wrapper: Any, step: int, model: nn.Module,
              optimizer: torch.optim.Optimizer, iteration: int) -> None:
-        """Stage checkpoint ``step`` (all active ranks); blocks only for the memcpy.
-
-        Skipped (``checkpoint_skip`` event) while the previous save is not committed.
-        """
+        """Stage checkpoint ``step`` (collective: all active ranks); blocks for the state-dict
+        and the memcpy. Skipped (``checkpoint_skip``) while the previous one is in flight."""
         ckpt = self._checkpointer()
-        if ckpt.num_unfinalized:
-            self.log.emit("checkpoint_skip", step=step, iteration=iteration,
-                          pending=sorted(self.pending))
+        t0 = time.perf_counter()
+        if self._skip():  # every rank skips or saves alike
+            self.log.emit("checkpoint_skip", step=step, iteration=iteration)
             return
-        if self.rank == 0 and not self.measured_sync:
+        if self.rank == 0 and not self.measured_sync:  # once, outside the timed part
             self.measured_sync = True
             ms = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)
             self.log.emit("checkpoint_sync", step=step, ms=round(ms, 3), samples=SYNC_SAMPLES)
-        t0 = time.perf_counter()
+            t0 = time.perf_counter()
         with call_wrapper.atomic():  # the abort never sees a half-submitted save
             req = ckpt.save(checkpoint_state(step, model, optimizer), step)
         block_s = time.perf_counter() - t0
-        self.pending[step] = (req, block_s)
+        self.busy.set()
+        self.jobs.put((req, block_s, iteration))
         self.log.emit("checkpoint_save", step=step, iteration=iteration, format=CHECKPOINT_FORMAT,
                       block_ms=round(block_s * 1e3, 3), stage_ms=round(req.stage_s * 1e3, 3))
 
-    def poll(self, step: int, iteration: int, blocking: bool = False) -> None:
-        """Commit the saves every rank has written (one small all-reduce while any is pending)."""
-        if self.ckpt is None or not self.ckpt.num_unfinalized:
-            return
-        t0 = time.perf_counter()
-        done = self.ckpt.maybe_finalize(blocking=blocking)
-        poll_ms = (time.perf_counter() - t0) * 1e3
-        for saved in done:
-            req, block_s = self.pending.pop(saved, (None, 0.0))  # type: ignore[arg-type]
-            if self.rank == 0 and req is not None:
-                self.log.emit("checkpoint", step=saved, iteration=iteration, committed_at=step,
-                              block_ms=round(block_s * 1e3, 3), poll_ms=round(poll_ms, 3),
+    def _commit_loop(self, ckpt: AsyncCheckpointer) -> None:
+        """Committer thread: finalize each staged save (collective, blocking), in order."""
+        while (job := self.jobs.get()) is not None:
+            req, block_s, iteration = job
+            failed, t0 = ckpt.failed_saves, time.perf_counter()
+            try:
+                done = ckpt.maybe_finalize(blocking=True)
+            except Exception as exc:  # noqa: BLE001 - an abort broke the collective, or a timeout
+                self.log.emit("checkpoint_error", step=req.step, iteration=iteration,
+                              error=f"{type(exc).__name__}: {exc}"[:300])
+                done = []
+            commit_ms = (time.perf_counter() - t0) * 1e3
+            if ckpt.failed_saves > failed:
+                self.log.emit("checkpoint_failed", step=req.step, iteration=iteration)
+            if req.step in done and self.rank == 0:
+                self.log.emit("checkpoint", step=req.step, iteration=iteration,
+                              committed_at=self.step, block_ms=round(block_s * 1e3, 3),
+                              commit_ms=round(commit_ms, 3),
                               durable_ms=round((req.durable_s or 0.0) * 1e3, 3))
+            self.busy.clear()
 
-    def finish(self, step: int, iteration: int) -> None:
-        """End of training: commit what is pending, stop the writer (it is not needed again)."""
-        if self.ckpt is None:
+    def _stop_committer(self, timeout_s: float) -> None:
+        thread, self.committer = self.committer, None
+        if thread is None:
             return
+        self.jobs.put(None)
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise RuntimeError(f"checkpoint committer did not stop within {timeout_s:.0f} s")
+        self.jobs = queue.Queue()  # drop what an aborted iteration left
+
+    def finish(self) -> None:
+        """End of training: commit what is pending, stop the writer (it is not needed again)."""
         try:
-            self.poll(step, iteration, blocking=True)
+            self._stop_committer(2 * self.timeout_s)
         finally:
-            self.ckpt.close(finalize=False)
-            self.ckpt = None
+            if self.ckpt is not None:
+                self.ckpt.close(finalize=False)
+                self.ckpt = None

@@ -10,10 +10,13 @@ wrapper's restart records use) and ``rank`` (initial rank). Types written by a r
 * ``step``: a step finished (``step``, ``t0`` start time, ``loss``, ``iteration``).
 * ``checkpoint_save``: this rank staged checkpoint ``step`` (``block_ms``: what the training
   loop waited, ``stage_ms``: the memcpy part).
-* ``checkpoint``: checkpoint ``step`` was committed on every rank (active rank 0 only;
-  ``committed_at`` step, ``block_ms``, ``poll_ms``, ``durable_ms`` save -> committed).
+* ``checkpoint``: checkpoint ``step`` was committed on every rank (active rank 0 only, from the
+  committer thread; ``committed_at``: the loop's step then, ``block_ms``, ``commit_ms``: the
+  thread's finalize time, ``durable_ms``: save -> committed).
+* ``checkpoint_failed`` / ``checkpoint_error``: a save failed on some rank / its finalize
+  raised (e.g. broken by a restart's abort); training goes on, the next save retries.
 * ``checkpoint_sync``: once per run, the median ``ms`` of a synchronous save of the same state.
-* ``checkpoint_skip``: a save was skipped because the previous one is not committed yet.
+* ``checkpoint_skip``: a save was skipped (on every rank) as the previous one is not committed.
 * ``checkpoint_writer_ready``: at start, the ``seconds`` until the writer process worked.
 * ``fault``: a fault is about to fire (``kind``, ``step``, ``index``, ``iteration``).
 * ``restart``: one of the wrapper's restart records (its fields, as given).

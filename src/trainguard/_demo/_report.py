@@ -9,14 +9,15 @@ Definitions (all times are wall-clock seconds from the event logs):
 * ``restart_s``: detection -> the last surviving rank re-entered the training function.
 * ``recovery_s``: injection -> the first training step completed after the restart (includes
   process-group set-up and the checkpoint reload).
-* ``steps_lost``: steps completed in the faulty iteration past the checkpoint it resumed from.
+* ``steps_lost``: steps completed in the faulty iteration past the checkpoint the restart
+  resumed from (the newest one committed on every rank by then; saves are asynchronous).
 * ``recovered``: the restart happened and training made progress after it.
 * ``goodput``: useful step time (each step counted once, in the iteration that kept it) divided
   by the demo's whole wall time (process start-up included); ``train_goodput`` divides by the
   span from the first step's start to the last step's end instead.
 * ``checkpoint``: the asynchronous checkpoints: saves staged (all ranks) and commits, the
-  median/max milliseconds a save blocked the training loop, the commit poll and save ->
-  durable times, and the synchronous save of the same state timed once in the same run.
+  median/max milliseconds a save blocked the training loop, the committer thread's finalize
+  and the save -> durable times, and the synchronous save of the same state timed once in the same run.
 """
 
 from __future__ import annotations
@@ -210,12 +211,13 @@ def checkpoint_summary(events: dict[int, list[dict]]) -> dict:
     return {
         "format": next((e["format"] for e in saves if "format" in e), None),
         "saves": len(saves),
+        "skipped": len({(e.get("iteration"), e["step"]) for e in _of(events, "checkpoint_skip")}),
         "committed": len(commits),
         "committed_steps": sorted({int(e["step"]) for e in commits}),
         "median_block_ms": median_block,
         "max_block_ms": round(max(block), 3) if block else None,
         "median_stage_ms": _median([float(e["stage_ms"]) for e in saves if "stage_ms" in e]),
-        "median_poll_ms": _median([float(e["poll_ms"]) for e in commits if "poll_ms" in e]),
+        "median_commit_ms": _median([float(e["commit_ms"]) for e in commits if "commit_ms" in e]),
         "median_durable_ms": _median([float(e["durable_ms"]) for e in commits if "durable_ms" in e]),
         "max_commit_lag_steps": max(lags) if lags else None,
         "sync_save_ms": sync_ms,
@@ -286,7 +288,8 @@ def render_table(summary: dict, width: int | None = None) -> Any:
             f"checkpoints ({ck['format']}, async): {ck['committed']} committed, {ck['saves']} saves; "
             f"training blocked {_fmt(ck['median_block_ms'])} ms median "
             f"(max {_fmt(ck['max_block_ms'])}) per save vs {sync} for a synchronous "
-            f"torch.save + fsync; durable after {_fmt(ck['median_durable_ms'])} ms median"
+            f"torch.save + fsync; committed off the loop in {_fmt(ck['median_commit_ms'])} ms, "
+            f"durable {_fmt(ck['median_durable_ms'])} ms after the save (medians)"
         )
     verdict = "PASS" if summary["ok"] else "FAIL: " + "; ".join(summary["problems"])
     status = Text(verdict, style="bold green" if summary["ok"] else "bold red")

@@ -167,10 +167,12 @@ def train(trainer: Trainer, call_wrapper: CallWrapper | None = None) -> float:
         loss = _step(ddp, optimizer, batches.get(step), trainer.lr(step))
         trainer.log.emit("step", step=step, t0=t0, loss=round(loss, 5), iteration=iteration)
         call_wrapper.ping()
-        trainer.checkpoints.poll(step, iteration)  # commit earlier saves once written everywhere
+        trainer.checkpoints.step = step
         if step % cfg.checkpoint_every == 0:  # every rank stages its shard; commit is collective
             trainer.checkpoints.save(call_wrapper, step, model, optimizer, iteration)
-    trainer.checkpoints.finish(cfg.steps, iteration)
+        if (step + 1) % cfg.checkpoint_every == 0 and step < cfg.steps:
+            trainer.checkpoints.prepare()  # the next step saves: vote on skipping it now
+    trainer.checkpoints.finish()
     accuracy = evaluate(model, trainer.x_test, trainer.y_test)
     trainer.log.emit("done", step=cfg.steps, accuracy=accuracy, iteration=iteration)
     del ddp

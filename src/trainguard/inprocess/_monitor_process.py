@@ -193,6 +193,7 @@ class _Monitor:
         self.stopping = False
         self.next_hb = 0.0
         self.died = False
+        self.sibling_armed = False
 
     def run(self) -> None:
         if self.cfg.pidfile:
@@ -368,6 +369,13 @@ class _Monitor:
         self.store.set(self.keys.heartbeat(me), str(time.time()).encode())
         if world == 1:
             return
+        if not self.sibling_armed:
+            # Until this rank passed the initial barrier a sibling may still be starting (ranks
+            # start up to barrier_timeout apart): judging it by heartbeat_timeout would discard
+            # a late but healthy rank. After the barrier every rank's monitor is up.
+            if self.block.get("phase") != Phase.RUNNING:
+                return
+            self.sibling_armed = True
         dead = co.read_int_set(self.store, self.keys.terminated_all)
         sibling = next(((me + k) % world for k in range(1, world)
                         if (me + k) % world not in dead), None)

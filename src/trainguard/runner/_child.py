@@ -164,6 +164,10 @@ class _Rank:
         send_frame(self.out_fd, OK)
 
     def _generate(self, body: memoryview) -> None:
+        self._answer(body)
+        self.receiver.replenish()  # after the reply, so off the caller's critical path
+
+    def _answer(self, body: memoryview) -> None:
         try:
             result = self.worker.generate(self.receiver.decode(body))
         except Exception as exc:  # noqa: BLE001 - worker errors of any type cross to the parent

@@ -12,8 +12,9 @@ the pipe.
 Receiving, ``transfer="copy"`` (default) copies each span into a pooled, pre-faulted buffer that
 the receiver reuses for the next message only when no array from the previous one is still alive
 (checked by reference count), so steady-state calls pay no page faults and received arrays are
-never overwritten behind the user's back. ``transfer="view"`` hands out read-only views of the
-shared block itself: zero copies, valid only until the next call.
+never overwritten behind the user's back; a rank replaces a kept buffer after its reply
+(:meth:`Receiver.replenish`), off the caller's critical path. ``transfer="view"`` hands out
+read-only views of the shared block itself: zero copies, valid only until the next call.
 
 Follows: reactor-runtime SharedSlot headers and vLLM's out-of-band pickling, with pooled buffers.
 """
@@ -106,6 +107,7 @@ class Receiver:
         self.transfer = transfer
         self._seg: ShmSegment | None = None
         self._pool: list[bytearray] = []
+        self._last_nbytes = 0  # size of the last copied-out message (bytes)
 
     def decode(self, body: memoryview | bytes) -> Any:
         """Rebuild the object encoded by :meth:`Sender.encode`.
@@ -140,18 +142,27 @@ class Receiver:
             self._seg = seg = ShmSegment(name)
         return seg
 
+    def _free(self) -> list[int]:
+        """Indices of pooled buffers that no received object references any more."""
+        pool = self._pool
+        # 2 references = the pool list and getrefcount's argument: nothing received uses it.
+        return [i for i in range(len(pool)) if sys.getrefcount(pool[i]) <= 2]
+
     def _take_buffer(self, nbytes: int) -> bytearray:
         """A pooled buffer no received object references any more, or a new pre-faulted one.
 
         Several buffers rotate so the usual ``out = runner.generate(x)`` (the previous result is
         still referenced during the next call) keeps reusing memory instead of faulting it in.
         """
-        pool = self._pool
-        # 2 references = the pool list and getrefcount's argument: nothing received uses it.
-        free = [i for i in range(len(pool)) if sys.getrefcount(pool[i]) <= 2]
+        self._last_nbytes = nbytes
+        free = self._free()
         for i in free:
-            if len(pool[i]) >= nbytes:
-                return pool[i]
+            if len(self._pool[i]) >= nbytes:
+                return self._pool[i]
+        return self._add_buffer(nbytes, free)
+
+    def _add_buffer(self, nbytes: int, free: list[int]) -> bytearray:
+        pool = self._pool
         fresh = bytearray(nbytes)  # zero-filled: every page is touched (pre-faulted) now
         if free:
             pool[free[0]] = fresh  # a free but too small buffer: replace it
@@ -160,6 +171,26 @@ class Receiver:
         else:
             pool[0] = fresh  # all busy: the user owns the old one now
         return fresh
+
+    def replenish(self) -> None:
+        """Pre-fault a free buffer of the last message's size if none is left (copy mode).
+
+        Call it off the critical path (a rank calls it after sending its reply): a worker that
+        keeps its inputs beyond the call (caches, batching) otherwise makes the next call
+        allocate and zero-fill a fresh buffer (plus up to 4096 page faults per 16 MiB when the
+        allocator maps new memory) while the caller waits. A failed allocation is left to the
+        next :meth:`decode` to report.
+        """
+        nbytes = self._last_nbytes
+        if self.transfer != "copy" or not nbytes:
+            return
+        free = self._free()
+        if any(len(self._pool[i]) >= nbytes for i in free):
+            return
+        try:
+            self._add_buffer(nbytes, free)
+        except MemoryError:
+            pass
 
     def _copy_out(self, src: memoryview, spans: list[tuple[int, int]]) -> list[memoryview]:
         dst = memoryview(self._take_buffer(spans[-1][0] + spans[-1][1]))
@@ -174,4 +205,4 @@ class Receiver:
         if self._seg is not None:
             self._seg.close()
             self._seg = None
-        self._pool = []
+        self._pool, self._last_nbytes = [], 0
