@@ -173,7 +173,7 @@ def test_event_log_round_trip_and_tail_skips_torn_lines(tmp_path):
 def test_checkpoint_figures_in_the_summary_and_table():
     run = Run()
     run.iteration([0, 1], 0, 0, 2, 5.0)
-    run.emit(0, "checkpoint_sync", 6.0, step=10, ms=30.0, samples=3)
+    run.emit(0, "checkpoint_sync", 6.0, step=10, ms=30.0, min_ms=25.0, samples=3)
     for rank, block in ((0, 1.0), (1, 3.0), (0, 2.0), (1, 50.0)):
         run.emit(rank, "checkpoint_save", 6.0, step=10, iteration=0, format="torch",
                  block_ms=block, stage_ms=block / 2)
@@ -187,12 +187,14 @@ def test_checkpoint_figures_in_the_summary_and_table():
     assert ck["format"] == "torch" and ck["saves"] == 4 and ck["committed"] == 3
     assert ck["skipped"] == 1 and ck["median_commit_ms"] == 5.0
     assert ck["committed_steps"] == [10, 20]  # step 20 committed twice (re-done after a restart)
-    assert ck["median_block_ms"] == 2.5 and ck["max_block_ms"] == 50.0
+    assert ck["median_block_ms"] == 2.5 and ck["max_block_ms"] == 50.0 and ck["min_block_ms"] == 1.0
     assert ck["median_durable_ms"] == 40.0 and ck["max_commit_lag_steps"] == 3
     assert ck["sync_save_ms"] == 30.0 and ck["sync_vs_async_block"] == 12.0
+    assert ck["sync_save_min_ms"] == 25.0
     console = Console(record=True, width=160)
     console.print(render_table(summary, width=160))
-    assert "training blocked 2.50 ms median (max 50.00) per save vs 30.0 ms" in console.export_text()
+    text = " ".join(console.export_text().split())
+    assert "training blocked 2.50 ms median (min 1.00, max 50.00) per save vs 30.00 ms (min 25.00)" in text
 
 
 def test_checkpoint_figures_without_checkpoints_are_empty():

@@ -2,16 +2,16 @@
 
 Each test is named after the report it reproduces and links it in its docstring. The coverage
 map of every §13 row and §14 defect (including the ones tested in the other files of this
-directory) is kept in the module docstring's table below.
+directory):
 
 | report / defect | test |
 |---|---|
 | Megatron-LM#2774 | test_megatron_2774_previous_attempt_memory_released (+ test_wrap) |
-| NVRx#143 | test_faults::test_fault_kinds[sigkill] (SIGKILL mid all_reduce) |
-| NVRx#142 | test_wrap::test_initial_barrier_timeout_names_missing_ranks_and_runs_terminate |
+| NVRx#143 | test_nvrx_143_survivor_blocked_on_a_peer_that_exited_restarts, test_faults::test_fault_kinds[sigkill] |
+| NVRx#142 | test_wrap::test_initial_barrier_timeout_names_missing_ranks_and_runs_terminate, test_nvrx_142_rank_starting_late_within_barrier_timeout_is_not_discarded |
 | NVRx PR#103 | n/a on CPU (device binding needs CUDA); test_health_check on a GPU host |
 | NVRx PR#112 | test_wrap::test_previous_iteration_objects_are_collected |
-| NVRx PR#99 | test_nvrx_pr99_daemon_outlives_trainer_and_exits_after_survivors |
+| NVRx PR#99 | test_nvrx_defect3_and_pr99_barrier_timeout_runs_terminate_daemon_outlives, test_faults::test_store_outlives_rank0_leaving_early |
 | NVRx PR#129 | test_wrap::test_disable_hang_protection |
 | NVRx PR#154 | test_nvrx_pr154_restart_kills_checkpoint_writer_next_save_respawns |
 | NVRx PR#118 | test_wrap::test_restart_records_and_hooks_see_frozen_state, ::test_second_call_on_the_same_persistent_store |
@@ -21,7 +21,15 @@ directory) is kept in the module docstring's table below.
 | Megatron-Bridge#4944 | test_policies::test_retry_controller_is_none_safe |
 | Megatron-Bridge#5755 | test_wrap::test_retry_controller_limit_raises_restart_abort |
 | Megatron-Bridge#4889/#4839/#5761 | test_megatron_bridge_4889_reset_hooks_run_before_the_next_attempt |
-| §14.1 .. §14.9 | see the individual tests named ``test_nvrx_defect*`` and the table in the report |
+| §14.1 FillGaps | test_rank_assignment::test_fill_gaps_correct_semantics |
+| §14.2 annotations | test_wrap::test_injection_annotations |
+| §14.3 barrier timeout skips terminate | test_nvrx_defect3_and_pr99_barrier_timeout_runs_terminate_daemon_outlives |
+| §14.4 RANK="None", shared hooks | test_state::test_set_distributed_vars_never_writes_none, test_rank_assignment::test_tree_rebuilds_per_call_and_never_exports_none, test_wrap::test_default_hooks_are_per_wrapper |
+| §14.5 death before the first iteration | test_nvrx_defect5_trainer_killed_before_first_iteration_daemon_exits_cleanly |
+| §14.6 endless re-raise | test_nvrx_defect6_interrupt_is_not_reraised_into_user_cleanup, test_wrap::test_atomic_defers_the_interrupt |
+| §14.7 no NVML = unhealthy | test_health_check::test_default_chain_on_cpu_passes |
+| §14.8 single-use barriers | test_wrap::test_second_call_on_the_same_persistent_store |
+| §14.9 starved timeout checks | test_wrap::test_manual_ping_catches_python_livelock |
 """
 
 from __future__ import annotations
@@ -70,6 +78,14 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _kill_if_alive(pid: int) -> None:
@@ -302,8 +318,9 @@ def test_nvrx_defect5_trainer_killed_before_first_iteration_daemon_exits_cleanly
     try:
         end = time.monotonic() + 30
         while mon_pid is None and time.monotonic() < end and child.poll() is None:
-            if os.path.exists(pidfile) and open(pidfile).read().strip():
-                mon_pid = int(open(pidfile).read())
+            text = _read(pidfile).strip()
+            if text:
+                mon_pid = int(text)
             time.sleep(0.05)
         assert mon_pid is not None, child.communicate(timeout=5)[0].decode()[-2000:]
         time.sleep(1.0)  # the trainer is now inside the initial barrier
@@ -313,7 +330,7 @@ def test_nvrx_defect5_trainer_killed_before_first_iteration_daemon_exits_cleanly
         t0 = time.monotonic()
         gone = _wait_gone(mon_pid, 15.0)
         print(f"monitor exited {time.monotonic() - t0:.2f} s after the trainer was killed")
-        log = open(logfile).read() if os.path.exists(logfile) else ""
+        log = _read(logfile)
         print(log[-2000:])
         assert gone, "monitor process outlived its killed trainer"
         assert "Traceback" not in log and "monitor failed" not in log
@@ -419,8 +436,55 @@ def test_nvrx_142_rank_starting_late_within_barrier_timeout_is_not_discarded():
     declared unresponsive, full world size.
     """
     res = run_ranks("test_user_reports:late_rank_main", 2, timeout_s=60, pythonpath=[HERE],
-                    env={"TG_TEST_CFG": json.dumps({"late_s": 3.0})})
+                    env={"TG_TEST_CFG": json.dumps({"late_s": 2.0})})
     for r in res:
         print(f"rank {r.rank}: rc={r.returncode} result={r.result}")
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.result["records"] == [] and r.result["ret"] == {"iteration": 0, "world": 2}
+
+
+def peer_exit_rank_main():
+    """Rank program for the NVRx#143 test: rank 1 exits with code 0 in the middle of training
+    while rank 0 is blocked in an all_reduce waiting for it."""
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    holder: dict = {}
+
+    @Wrapper(soft_timeout=5.0, hard_timeout=8.0, barrier_timeout=20.0, heartbeat_timeout=10.0,
+             heartbeat_interval=0.2, monitor_process_interval=0.05, monitor_thread_interval=0.1,
+             progress_watchdog_interval=0.05, last_call_wait=0.05, termination_grace_time=0.5)
+    def train(cw: CallWrapper):
+        holder["cw"] = cw
+        cw.init_process_group(timeout=300)  # gloo's own timeout is far away
+        for step in range(4):
+            if rank == 1 and cw.iteration == 0 and step == 2:
+                time.sleep(0.3)  # rank 0 is inside the all_reduce by now
+                os._exit(0)  # a "clean" exit code, no cleanup, mid-training
+            dist.all_reduce(torch.ones(4))
+        dist.destroy_process_group()
+        return {"iteration": cw.iteration, "world": cw.state.active_world_size}
+
+    t0 = time.monotonic()
+    ret = train()
+    recs = [(r.cause, list(r.fault_ranks), round(r.restart_s, 3))
+            for r in holder["cw"].restart_records]
+    return {"ret": ret, "records": recs, "wall": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(90)
+def test_nvrx_143_survivor_blocked_on_a_peer_that_exited_restarts():
+    """https://github.com/NVIDIA/nvidia-resiliency-ext/issues/143: can survivors blocked in a
+    collective on a peer that exited escape? Rank 1 leaves with ``os._exit(0)`` (exit code 0,
+    no cleanup) while rank 0 waits in a gloo all_reduce with a 300 s timeout: rank 0 must be
+    interrupted long before that and finish alone in the next iteration.
+    """
+    res = run_ranks("test_user_reports:peer_exit_rank_main", 2, timeout_s=60, pythonpath=[HERE])
+    for r in res:
+        print(f"rank {r.rank}: rc={r.returncode} result={r.result}")
+    assert res[1].returncode == 0 and res[1].result is None  # it vanished mid-call
+    assert res[0].returncode == 0, res[0].stderr[-3000:]
+    out = res[0].result
+    assert out["ret"] == {"iteration": 1, "world": 1}
+    assert [(c, f) for c, f, _ in out["records"]] == [("terminated", [1])], out["records"]
+    assert out["records"][0][2] < 10.0  # far below gloo's 300 s

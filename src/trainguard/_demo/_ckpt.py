@@ -6,10 +6,10 @@ torch, seconds on a busy machine, longer than the demo runs between faults. The 
 callback (run by the wrapper's abort) drops the aborted iteration's saves and kills a writer that
 was busy; each iteration re-binds the checkpointer to its new process group (rank and world size
 change when a reserve rank takes over) and reloads the newest checkpoint committed on every rank.
-The collective commit runs in a thread, so the loop pays only the staging memcpy; a save is
-skipped while the previous one is not committed yet, so a slow writer never blocks training. A save costs the training loop the state-dict build
-plus a memcpy into a reused staging buffer; the write, fsync and collective commit happen later,
-so a fault can never leave a torn or half-committed "latest" (the manifest is written last).
+A save costs the training loop the state-dict build plus a memcpy into a reused staging buffer;
+the write and fsync happen in the writer process and the collective commit (manifest written
+last) in a thread, so a fault never leaves a torn or half-committed "latest". A save is skipped
+while the previous one is not committed yet, so a slow writer never blocks training.
 """
 
 from __future__ import annotations
@@ -73,16 +73,17 @@ def load_checkpoint(path: os.PathLike, model: nn.Module, optimizer: torch.optim.
 
 
 def sync_save_ms(path: os.PathLike, step: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, samples: int = SYNC_SAMPLES) -> float:
-    """Median milliseconds of the old synchronous save (``torch.save`` + fsync + rename) of the
-    same state to ``path`` (removed afterwards): what each checkpoint used to block training."""
+                 optimizer: torch.optim.Optimizer, samples: int = SYNC_SAMPLES) -> tuple[float, float]:
+    """Median and minimum milliseconds of the old synchronous save (``torch.save`` + fsync +
+    rename) of the same state to ``path`` (removed afterwards): what each checkpoint used to
+    block training."""
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
         save_checkpoint(path, step, model, optimizer)
         times.append((time.perf_counter() - t0) * 1e3)
     os.unlink(path)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 class DemoCheckpoints:
@@ -196,13 +197,16 @@ class DemoCheckpoints:
         and the memcpy. Skipped (``checkpoint_skip``) while the previous one is in flight."""
         ckpt = self._checkpointer()
         t0 = time.perf_counter()
-        if self._skip():  # every rank skips or saves alike
+        skip = self._skip()  # every rank skips or saves alike
+        vote_s = time.perf_counter() - t0
+        if skip:
             self.log.emit("checkpoint_skip", step=step, iteration=iteration)
             return
         if self.rank == 0 and not self.measured_sync:  # once, outside the timed part
             self.measured_sync = True
-            ms = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)
-            self.log.emit("checkpoint_sync", step=step, ms=round(ms, 3), samples=SYNC_SAMPLES)
+            ms, low = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)
+            self.log.emit("checkpoint_sync", step=step, ms=round(ms, 3), min_ms=round(low, 3),
+                          samples=SYNC_SAMPLES)
             t0 = time.perf_counter()
         with call_wrapper.atomic():  # the abort never sees a half-submitted save
             req = ckpt.save(checkpoint_state(step, model, optimizer), step)
@@ -210,7 +214,8 @@ class DemoCheckpoints:
         self.busy.set()
         self.jobs.put((req, block_s, iteration))
         self.log.emit("checkpoint_save", step=step, iteration=iteration, format=CHECKPOINT_FORMAT,
-                      block_ms=round(block_s * 1e3, 3), stage_ms=round(req.stage_s * 1e3, 3))
+                      block_ms=round(block_s * 1e3, 3), stage_ms=round(req.stage_s * 1e3, 3),
+                      vote_ms=round(vote_s * 1e3, 3))
 
     def _commit_loop(self, ckpt: AsyncCheckpointer) -> None:
         """Committer thread: finalize each staged save (collective, blocking), in order."""

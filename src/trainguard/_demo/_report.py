@@ -215,12 +215,14 @@ def checkpoint_summary(events: dict[int, list[dict]]) -> dict:
         "committed": len(commits),
         "committed_steps": sorted({int(e["step"]) for e in commits}),
         "median_block_ms": median_block,
+        "min_block_ms": round(min(block), 3) if block else None,
         "max_block_ms": round(max(block), 3) if block else None,
         "median_stage_ms": _median([float(e["stage_ms"]) for e in saves if "stage_ms" in e]),
         "median_commit_ms": _median([float(e["commit_ms"]) for e in commits if "commit_ms" in e]),
         "median_durable_ms": _median([float(e["durable_ms"]) for e in commits if "durable_ms" in e]),
         "max_commit_lag_steps": max(lags) if lags else None,
         "sync_save_ms": sync_ms,
+        "sync_save_min_ms": float(sync[0]["min_ms"]) if sync and "min_ms" in sync[0] else None,
         "sync_vs_async_block": round(sync_ms / median_block, 1) if sync_ms and median_block else None,
     }
 
@@ -283,13 +285,15 @@ def render_table(summary: dict, width: int | None = None) -> Any:
     ]
     ck = summary.get("checkpoint") or {}
     if ck.get("saves"):
-        sync = f"{ck['sync_save_ms']:.1f} ms" if ck.get("sync_save_ms") is not None else "not measured"
+        sync = "not measured" if ck.get("sync_save_ms") is None else (
+            f"{ck['sync_save_ms']:.2f} ms (min {_fmt(ck.get('sync_save_min_ms'))})")
         lines.append(
             f"checkpoints ({ck['format']}, async): {ck['committed']} committed, {ck['saves']} saves; "
-            f"training blocked {_fmt(ck['median_block_ms'])} ms median "
-            f"(max {_fmt(ck['max_block_ms'])}) per save vs {sync} for a synchronous "
-            f"torch.save + fsync; committed off the loop in {_fmt(ck['median_commit_ms'])} ms, "
-            f"durable {_fmt(ck['median_durable_ms'])} ms after the save (medians)"
+            f"training blocked {_fmt(ck['median_block_ms'])} ms median (min "
+            f"{_fmt(ck['min_block_ms'])}, max {_fmt(ck['max_block_ms'])}) per save vs {sync} for "
+            f"a synchronous torch.save + fsync; committed off the loop in "
+            f"{_fmt(ck['median_commit_ms'])} ms, durable {_fmt(ck['median_durable_ms'])} ms after "
+            "the save (medians)"
         )
     verdict = "PASS" if summary["ok"] else "FAIL: " + "; ".join(summary["problems"])
     status = Text(verdict, style="bold green" if summary["ok"] else "bold red")
