@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import psutil
@@ -39,6 +40,22 @@ def trainguard_shm_segments() -> set[str]:
         return set()
 
 
+_OWNER = re.compile(r"tg_[a-z]+?([0-9a-f]+)_")
+
+
+def _foreign(name: str, ours: set[int]) -> bool:
+    """True when segment ``name`` names a live owner process outside this process tree.
+
+    Segment names carry their owner's pid (see ``_core.shm.unique_prefix``); another test session
+    running concurrently must not have its segments reported or unlinked by this one.
+    """
+    m = _OWNER.match(name)
+    if not m:
+        return False
+    pid = int(m.group(1), 16)
+    return pid not in ours and psutil.pid_exists(pid)
+
+
 class LeakChecker:
     """Snapshot before a test, then :meth:`check` after it; returns a list of problems.
 
@@ -66,7 +83,8 @@ class LeakChecker:
                 proc.kill()
             except psutil.Error:
                 pass
-        new_shm = trainguard_shm_segments() - self.shm_before
+        ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+        new_shm = {n for n in trainguard_shm_segments() - self.shm_before if not _foreign(n, ours)}
         for name in sorted(new_shm):
             problems.append(f"leaked shared-memory segment /dev/shm/{name}")
             try:
