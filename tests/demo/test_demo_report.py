@@ -200,3 +200,53 @@ def test_checkpoint_figures_in_the_summary_and_table():
 def test_checkpoint_figures_without_checkpoints_are_empty():
     ck = build_summary(two_fault_run().events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)["checkpoint"]
     assert ck["saves"] == 0 and ck["median_block_ms"] is None and ck["sync_vs_async_block"] is None
+
+
+def test_no_faults_print_one_line_instead_of_an_empty_table():
+    run = two_fault_run()
+    run.events = {r: [e for e in evs if e["ev"] not in ("fault", "restart")] for r, evs in run.events.items()}
+    summary = build_summary(run.events, [], steps=30, wall_s=40.0)
+    for width in (160, 80):
+        console = Console(record=True, width=width)
+        console.print(render_table(summary, width=width))
+        text = console.export_text()
+        print(text)
+        assert "no faults injected" in text
+        assert "detected by" not in text and "faults and recovery" not in text
+
+
+def test_goodput_line_says_wall_time_includes_start_up():
+    summary = build_summary(two_fault_run().events, parse_faults(SCHEDULE), steps=30, wall_s=40.0)
+    assert summary["rank_processes"] == 3
+    console = Console(record=True, width=400)
+    console.print(render_table(summary, width=400))
+    text = console.export_text()
+    print(text)
+    assert (f"goodput {summary['goodput']:.1%} of 40.0 s wall (start-up and imports of 3 rank "
+            f"processes included; training-window goodput {summary['train_goodput']:.1%}") in text
+
+
+def test_fault_labels_do_not_cross_the_step_lines():
+    """Each fault's label box on the step panel is clear of every rank's step line."""
+    from matplotlib import pyplot as plt
+
+    from trainguard._demo._timeline import _draw
+
+    run = two_fault_run()
+    for rank in (0, 1):  # iteration 0 runs right up to the exception, as in a real run
+        run.emit(rank, "step", 9.95, t0=9.9, step=14, loss=1.0, iteration=0)
+    fig = _draw(run.events, t0=0.0)
+    try:
+        fig.canvas.draw()
+        top = fig.axes[0]
+        labels = [t for t in top.texts if "@rank" in t.get_text()]
+        assert [t.get_text() for t in labels] == ["exception @rank1", "sigkill @rank1"]
+        lines = [ln.get_transform().transform_path(ln.get_path()) for ln in top.get_lines()
+                 if len(ln.get_xdata()) > 1]
+        assert len(lines) >= 3
+        for label in labels:
+            box = label.get_window_extent()
+            crossed = [i for i, path in enumerate(lines) if path.intersects_bbox(box, filled=False)]
+            assert crossed == [], f"{label.get_text()!r} at {box} crosses step lines {crossed}"
+    finally:
+        plt.close(fig)

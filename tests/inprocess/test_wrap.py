@@ -12,6 +12,9 @@ import threading
 import time
 from datetime import timedelta
 
+import sys
+import traceback
+
 import pytest
 import torch.distributed as dist
 
@@ -183,6 +186,45 @@ def test_retry_controller_limit_raises_restart_abort():
     with pytest.raises(RestartAbort, match="max_iterations=3"):
         fn()
     assert terminated == [3]
+
+
+def test_restart_abort_names_the_last_fault():
+    """A retry limit must not hide why the attempts failed (a new user saw only RestartAbort)."""
+
+    @Wrapper(**FAST, initialize=RetryController(max_iterations=2))
+    def fn(cw: CallWrapper):
+        return undefined_name  # noqa: F821 - the user's bug
+
+    with pytest.raises(RestartAbort) as info:
+        fn()
+    text = "".join(traceback.format_exception(info.value))
+    print(text)
+    assert "NameError" in text and "undefined_name" in text
+
+
+def test_rank_prefix_does_not_pile_up_across_restarts(capsys):
+    """torch wraps sys.excepthook at each init_process_group; restarts must not stack it."""
+    original = sys.excepthook
+
+    @Wrapper(**FAST)
+    def fn(cw: CallWrapper):
+        cw.init_process_group()
+        if cw.iteration < 3:
+            raise RuntimeError("restart")
+        dist.destroy_process_group()
+
+    try:
+        fn()
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            sys.excepthook(*sys.exc_info())
+        err = capsys.readouterr().err
+        print(err)
+        assert "boom" in err
+        assert all(line.count("[rank0]:") <= 1 for line in err.splitlines())
+    finally:
+        sys.excepthook = original
 
 
 def test_system_exit_leaves_and_runs_terminate():

@@ -10,6 +10,7 @@ Layout of the output directory::
     logs/rank{R}.log       the rank's stdout/stderr
     pids/monitor{R}.pid    the wrapper's monitor process of rank R (reaped by the parent)
     summary.json, timeline.png
+    .trainguard-demo       marker: this directory was made by the demo, so a new run may clear it
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ import shutil
 from pathlib import Path
 
 from trainguard._demo._schedule import FaultSpec
+from trainguard.errors import ConfigError
 
-__all__ = ["RUN_FILES", "DemoConfig", "clear_run_files"]
+__all__ = ["MARKER", "RUN_FILES", "DemoConfig", "OutputDirError", "clear_run_files"]
+
+# Written into every output directory the demo uses; only a directory carrying it is ever cleared.
+MARKER = ".trainguard-demo"
+_MARKER_TEXT = "made by `trainguard demo`; a new demo run may clear this directory's run files\n"
 
 # Everything a previous run may have left in the output directory (removed before a new run).
 RUN_FILES = (
@@ -104,17 +110,54 @@ class DemoConfig:
         return cls(**data)
 
 
-def clear_run_files(root: Path) -> None:
-    """Prepare ``root`` for a new run: create it and remove what a previous demo run left there.
+class OutputDirError(ConfigError):
+    """The output directory cannot be used (not a directory, not writable, or not the demo's)."""
 
-    Other files are left alone, so pointing ``--output-dir`` at a used directory is safe.
+
+def _check_ours(root: Path) -> None:
+    """Refuse a non-empty directory without the marker: its files belong to someone else."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise OutputDirError(f"cannot use output dir '{root}': it exists and is not a directory")
+    if (root / MARKER).is_file() or next(root.iterdir(), None) is None:
+        return
+    raise OutputDirError(
+        f"output dir '{root}' is not empty and was not made by trainguard demo (no {MARKER} file); "
+        "refusing to clear it; choose an empty or new directory with --output-dir"
+    )
+
+
+def clear_run_files(root: Path) -> None:
+    """Prepare ``root`` for a new run: create it, mark it, and remove a previous demo run's files.
+
+    Only a directory that does not exist, is empty, or carries :data:`MARKER` (written by an
+    earlier run) is touched; anything else is refused before a single file is removed. Files
+    other than :data:`RUN_FILES` are left alone even in a marked directory.
+
+    Raises:
+        OutputDirError: ``root`` is not a directory, is a non-empty directory without the marker,
+            or cannot be created or written (the message carries the OS's reason).
     """
-    root.mkdir(parents=True, exist_ok=True)
-    for name in RUN_FILES:
-        path = root / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    for sub in ("events", "markers", "logs", "pids"):
-        (root / sub).mkdir()
+    try:
+        _check_ours(root)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / MARKER).write_text(_MARKER_TEXT)
+        for name in RUN_FILES:
+            path = root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        for sub in ("events", "markers", "logs", "pids"):
+            (root / sub).mkdir()
+    except OSError as exc:
+        raise OutputDirError(f"cannot use output dir '{root}': {os_reason(exc, root)}") from exc
+
+
+def os_reason(exc: OSError, root: Path) -> str:
+    """The OS's reason in words, naming the path when it is not ``root`` itself."""
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None and Path(exc.filename) != root:
+        reason += f" ({exc.filename})"
+    return reason

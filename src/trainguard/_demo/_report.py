@@ -13,8 +13,9 @@ Definitions (all times are wall-clock seconds from the event logs):
   resumed from (the newest one committed on every rank by then; saves are asynchronous).
 * ``recovered``: the restart happened and training made progress after it.
 * ``goodput``: useful step time (each step counted once, in the iteration that kept it) divided
-  by the demo's whole wall time (process start-up included); ``train_goodput`` divides by the
-  span from the first step's start to the last step's end instead.
+  by the demo's whole wall time (the rank processes' start-up and imports included);
+  ``train_goodput`` divides by the span from the first step's start to the last step's end
+  instead. ``rank_processes``: how many rank processes wrote events (active plus reserve).
 * ``checkpoint``: the asynchronous checkpoints: saves staged (all ranks) and commits, the
   median/max milliseconds a save blocked the training loop, the committer thread's finalize
   and the save -> durable times, and the synchronous save of the same state timed once in the same run.
@@ -183,6 +184,7 @@ def build_summary(
         "accuracy_target": accuracy_target,
         "goodput": good["goodput"],
         "wall_s": round(wall_s, 3),
+        "rank_processes": len(events),
         **{k: v for k, v in good.items() if k != "goodput"},
         "steps": steps,
         "restarts": len(groups),
@@ -264,22 +266,31 @@ def _fault_table(faults: list[dict], narrow: bool) -> Any:
     return table
 
 
+def _goodput_line(summary: dict) -> str:
+    """Goodput over the whole wall time, saying that it includes start-up, then over training."""
+    n = summary.get("rank_processes")
+    procs = f"{n} rank processes" if n else "the rank processes"
+    return (
+        f"goodput {summary['goodput']:.1%} of {summary['wall_s']:.1f} s wall (start-up and imports "
+        f"of {procs} included; training-window goodput {summary['train_goodput']:.1%} of "
+        f"{summary['train_window_s']:.1f} s, useful step time {summary['useful_step_s']:.2f} s)"
+    )
+
+
 def render_table(summary: dict, width: int | None = None) -> Any:
     """A rich renderable: the fault table and the run's totals; ``width`` (columns) below 110
     turns the table so it fits a narrow terminal."""
     from rich.console import Group
     from rich.text import Text
 
-    table = _fault_table(summary["faults"], narrow=width is not None and width < 110)
+    faults = summary["faults"]
+    narrow = width is not None and width < 110
+    table = _fault_table(faults, narrow) if faults else Text("no faults injected")
     acc = summary["accuracy"]
     lines = [
         f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})" if acc is not None
         else "accuracy: training did not finish",
-        (
-            f"goodput {summary['goodput']:.1%} of {summary['wall_s']:.1f} s wall "
-            f"(useful step time {summary['useful_step_s']:.2f} s; "
-            f"{summary['train_goodput']:.1%} of the {summary['train_window_s']:.1f} s training window)"
-        ),
+        _goodput_line(summary),
         f"steps {summary['steps_completed']}/{summary['steps']}, restarts {summary['restarts']}"
         + (f" ({len(summary['unplanned_restarts'])} unplanned)" if summary["unplanned_restarts"] else ""),
     ]

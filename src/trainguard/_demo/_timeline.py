@@ -90,8 +90,30 @@ def _iteration_colors(series) -> dict[int, tuple]:
     return {it: palette(i % 10) for i, it in enumerate(iterations)}
 
 
-def plot_timeline(events: dict[int, list[dict]], path: str | os.PathLike, t0: float, title: str = "") -> str:
-    """Draw the run in ``events`` to ``path`` (PNG); ``t0`` is the launch time (wall-clock s)."""
+def _mark_faults(ax, events: dict[int, list[dict]], t0: float) -> list:
+    """Fault markers on the step panel; returns the label annotations.
+
+    The step line reaches a fault's point from the lower left and the next iteration starts to
+    its right, so the label goes above and to the left of the point, on a pale box.
+    """
+    labels = []
+    for evs in events.values():
+        for e in evs:
+            if e["ev"] != "fault":
+                continue
+            marker, color = _FAULT_STYLE.get(e["kind"], ("o", "red"))
+            point = (e["t"] - t0, e["step"] - 1)
+            ax.plot(*point, marker=marker, color=color, ms=11, mec="white", zorder=4)
+            labels.append(ax.annotate(
+                f"{e['kind']} @rank{e['rank']}", point, xytext=(-7, 7), textcoords="offset points",
+                ha="right", va="bottom", fontsize=8, color=color, zorder=5,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+            ))
+    return labels
+
+
+def _draw(events: dict[int, list[dict]], t0: float, title: str = ""):
+    """The timeline figure (matplotlib ``Figure``, Agg); the caller saves and closes it."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -106,13 +128,10 @@ def plot_timeline(events: dict[int, list[dict]], path: str | os.PathLike, t0: fl
         for it, points in sorted(per_it.items()):
             xs, ys = zip(*points)
             top.plot(xs, ys, color=colors[it], lw=1.5, alpha=0.8, label=f"iteration {it}" if rank == min(series) else None)
+    _mark_faults(top, events, t0)
     for evs in events.values():
         for e in evs:
-            if e["ev"] == "fault":
-                marker, color = _FAULT_STYLE.get(e["kind"], ("o", "red"))
-                top.plot(e["t"] - t0, e["step"] - 1, marker=marker, color=color, ms=11, mec="white")
-                top.annotate(f" {e['kind']} @rank{e['rank']}", (e["t"] - t0, e["step"] - 1), fontsize=8, color=color)
-            elif e["ev"] == "checkpoint":
+            if e["ev"] == "checkpoint":
                 top.plot(e["t"] - t0, e["step"], marker="^", color="0.4", ms=4)
     top.set_ylabel("global step (▲ = checkpoint)")
     top.set_title(title or "trainguard demo timeline", fontsize=11)
@@ -126,6 +145,16 @@ def plot_timeline(events: dict[int, list[dict]], path: str | os.PathLike, t0: fl
         bottom.annotate(f"ranks started {min(starts):.1f}-{max(starts):.1f} s after launch (imports)",
                         (0.005, -0.2), xycoords="axes fraction", fontsize=8, color="0.4")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot_timeline(events: dict[int, list[dict]], path: str | os.PathLike, t0: float, title: str = "") -> str:
+    """Draw the run in ``events`` to ``path`` (PNG); ``t0`` is the launch time (wall-clock s)."""
+    from matplotlib import pyplot as plt
+
+    fig = _draw(events, t0, title)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return os.fspath(path)

@@ -7,7 +7,9 @@ table of how each fault was detected and recovered, ``summary.json`` and ``timel
 ``--output-dir``.
 
 Exit status: 0 when every fault was recovered and the test accuracy reached 0.95; 1 otherwise
-(or when the global ``--timeout`` expired); 2 for bad arguments; 130 on Ctrl-C.
+(or when the global ``--timeout`` expired); 2 for bad arguments or an unusable ``--output-dir``
+(not a directory, not writable, or a non-empty directory the demo did not make: the demo only
+clears directories carrying its ``.trainguard-demo`` marker); 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ _DESCRIPTION = (
     "with DistributedDataParallel over gloo under trainguard.inprocess.Wrapper, inject a fault "
     "schedule, and report how each fault was detected and recovered (table, summary.json, "
     "timeline.png). Exit status: 0 when every fault was recovered and test accuracy reached 0.95, "
-    "1 otherwise, 2 for bad arguments."
+    "1 otherwise, 2 for bad arguments or an unusable --output-dir (the demo only clears an empty "
+    "directory or one it made, marked by a .trainguard-demo file)."
 )
 _DEFAULTS = {"ranks": 4, "reserve_ranks": 1, "steps": 160, "checkpoint_every": 10}
+
+
+_KIND_NAMES = {int: "an integer", float: "a number"}
 
 
 def _positive(kind: type, minimum: float):
@@ -37,8 +43,8 @@ def _positive(kind: type, minimum: float):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_KIND_NAMES[kind]}") from None
+        if not value >= minimum:  # also rejects nan
             raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
         return value
 
@@ -69,9 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> list[str]:
     p.add_argument("--faults", metavar="SCHEDULE", type=_faults, default=DEFAULT_FAULTS,
                    help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}); "
                    f"R is the initial rank; {kinds}")
-    p.add_argument("--seed", metavar="N", type=int, default=0, help="data split, init and sampling seed (default 0)")
+    p.add_argument("--seed", metavar="N", type=_positive(int, 0), default=0, help="data split, init and sampling seed (default 0)")
     p.add_argument("--output-dir", metavar="DIR", default="trainguard-demo",
-                   help="where summary.json, timeline.png, logs and checkpoints go (default ./trainguard-demo)")
+                   help="where summary.json, timeline.png, logs and checkpoints go; must be new, empty "
+                   "or made by an earlier demo run (default ./trainguard-demo)")
     p.add_argument("--steps", metavar="N", type=_positive(int, 1), default=_DEFAULTS["steps"], help="global training steps (default 160)")
     p.add_argument("--checkpoint-every", metavar="N", type=_positive(int, 1), default=_DEFAULTS["checkpoint_every"],
                    help="steps between checkpoints (default 10)")
@@ -110,17 +117,16 @@ def _run(args: argparse.Namespace) -> int:
         args._parser.error(str(exc))  # exits with status 2
     from rich.console import Console
 
-    from trainguard._demo._config import clear_run_files
-    from trainguard._demo._data import prepare_split
     from trainguard._demo._launch import launch
 
     started = time.monotonic()
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the table on one line a row
         console = Console(width=max(console.width, 160))
-    clear_run_files(config.root)
-    sizes = prepare_split(config.data_path, config.seed)
-    config_path = config.save()
+    try:
+        sizes, config_path = _prepare(config)
+    except ConfigError as exc:  # no usage text: the arguments parsed, the directory is the problem
+        args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
     faults = ", ".join(f.label for f in config.faults) or "none"
     console.print(
         f"[bold]trainguard demo[/]: {config.ranks} active + {config.reserve} reserve ranks, "
@@ -135,6 +141,23 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return _finish(config, result, console, wall_s=time.monotonic() - started)
+
+
+def _prepare(config) -> tuple[dict[str, int], Path]:
+    """Clear and mark the output dir, write the data split and the config.
+
+    Raises:
+        ConfigError: the output dir cannot be used (see ``clear_run_files``) or scikit-learn is
+            missing.
+    """
+    from trainguard._demo._config import OutputDirError, clear_run_files, os_reason
+    from trainguard._demo._data import prepare_split
+
+    clear_run_files(config.root)
+    try:
+        return prepare_split(config.data_path, config.seed), config.save()
+    except OSError as exc:  # e.g. the disk is full
+        raise OutputDirError(f"cannot use output dir '{config.root}': {os_reason(exc, config.root)}") from exc
 
 
 class _Terminated(BaseException):

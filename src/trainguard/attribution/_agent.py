@@ -25,7 +25,8 @@ from typing import Any
 from trainguard.attribution.errors import AttributionError
 from trainguard.errors import ConfigError
 
-__all__ = ["AgentDecision", "RestartPolicy", "decide", "load_history"]
+__all__ = ["NO_FR_DECISION", "AgentDecision", "RestartPolicy", "decide",
+           "decide_from_flight_recorder", "flight_recorder_record", "load_history"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,49 @@ def decide(result: Mapping[str, Any], history: Iterable[Mapping[str, Any]] = (),
         reason = (f"{cat} repeated {repeats} time(s) without progress (limit "
                   f"{policy.same_root_limit}); {base} once more. " + reason)
     return AgentDecision(base, reason, "category_policy", repeats, progressed)
+
+
+NO_FR_DECISION = ("no decision: the flight-recorder dumps show no missing or stuck rank and no "
+                  "logs were given, so there is no failure to attribute; pass the job's logs")
+
+
+def decide_from_flight_recorder(fr: Mapping[str, Any], history: Iterable[Mapping[str, Any]] = (),
+                                policy: RestartPolicy | None = None,
+                                hang_decision: str = "RESTART") -> AgentDecision | None:
+    """Decide from flight-recorder dumps alone (no logs), or ``None`` when they show no fault.
+
+    Faulty ranks mean a collective hang localised to them: the ``collective_timeout`` policy
+    (``hang_decision``, RESTART in the shipped registry) applies, through :func:`decide`, so the
+    same hang repeating without progress still ends in STOP.
+
+    Args:
+        fr: a ``FlightRecorderReport.to_dict()``.
+        history: earlier cycles' results, oldest first.
+        policy: restart-agent limits.
+        hang_decision: the registry's decision for ``collective_timeout``.
+    """
+    record = flight_recorder_record(fr, hang_decision)
+    return None if record is None else decide(record, history, policy)
+
+
+def flight_recorder_record(fr: Mapping[str, Any],
+                           hang_decision: str = "RESTART") -> dict[str, Any] | None:
+    """The result record (``primary_category``, ``fingerprint``, ``decision``, ``reason``,
+    ``progress``, ``culprit_ranks``) that dumps alone support, or ``None`` with no faulty rank.
+    Records like this may be fed back as history."""
+    if not fr.get("faulty_ranks"):
+        return None
+    stuck = fr.get("first_stuck") or {}
+    where = (f" at {stuck.get('op')} seq {stuck.get('collective_seq_id')} in "
+             f"{stuck.get('pg_desc')}" if stuck else "")
+    reason = (f"flight recorder (no logs): ranks {fr['faulty_ranks']} never joined or never "
+              f"completed a collective{where} (missing {fr.get('missing_ranks')}, incomplete "
+              f"{fr.get('incomplete_ranks')}); a collective hang, whose policy is {hang_decision}."
+              " Pass the job's logs to learn why those ranks stalled.")
+    return {"primary_category": "collective_timeout", "decision": hang_decision,
+            "reason": reason, "culprit_ranks": list(fr["faulty_ranks"]),
+            "progress": {"last_step": None, "last_checkpoint_step": None},
+            "fingerprint": f"collective_timeout:fr:{stuck.get('pg_desc')}:{stuck.get('op')}"}
 
 
 def load_history(path: str) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ def analyze_logs(
     paths: Sequence[str | os.PathLike[str]],
     *,
     registry_path: str | None = None,
+    replace_registry: bool = False,
     job_ended: bool = False,
 ) -> AnalysisResult:
     """Analyse one or many log files of one job attempt and attribute its failure.
@@ -26,7 +27,10 @@ def analyze_logs(
 
     Args:
         paths: log files, in the order their lines should be read (e.g. one per node).
-        registry_path: a YAML pattern registry replacing the shipped one.
+        registry_path: a YAML pattern registry merged on top of the shipped one (rows with a
+            shipped ``id`` override it, new rows are added; see :func:`load_registry`).
+        replace_registry: use ``registry_path`` instead of the shipped registry (it must then
+            declare every category).
         job_ended: the job is known to have ended; a log with progress and no failure is then
             ``unknown`` instead of ``in_progress``.
 
@@ -37,6 +41,6 @@ def analyze_logs(
         LogInputError: no paths, a missing/unreadable/binary file, or every file empty.
         AttributionError: ``registry_path`` is invalid.
     """
-    reg = load_registry(registry_path)
+    reg = load_registry(registry_path, replace=replace_registry)
     state = scan_files([os.fspath(p) for p in paths], reg)
     return build_result(state, reg, job_ended=job_ended)

@@ -21,7 +21,14 @@ def register(subparsers) -> list[str]:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--history", help="earlier cycles' `analyze --json` outputs (JSON list or "
                    "JSON lines), oldest first")
-    p.add_argument("--registry", help="pattern registry YAML replacing the shipped one")
+    reg = p.add_mutually_exclusive_group()
+    reg.add_argument("--registry", metavar="YAML",
+                     help="site pattern registry merged on top of the shipped one: rows with a "
+                     "shipped id override it, new ids are added, categories/exit_codes entries "
+                     "override by name")
+    reg.add_argument("--registry-replace", metavar="YAML",
+                     help="pattern registry used INSTEAD of the shipped one (must declare every "
+                     "category)")
     p.add_argument("--ended", action="store_true",
                    help="the job has ended (a log without failure is then 'unknown')")
     p.add_argument("--same-root-limit", type=int, default=3,
@@ -33,15 +40,21 @@ def register(subparsers) -> list[str]:
 
     s = subparsers.add_parser("attrsvc", help="run the attribution HTTP service")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000,
+                   help="TCP port (default %(default)s; 0 picks a free one, printed at startup)")
     s.add_argument("--allowed-root", action="append", required=True,
                    help="directory whose logs may be analysed (repeatable)")
     s.add_argument("--api-key-file", help="file with one API key per line (or set "
                    "TRAINGUARD_ATTRSVC_API_KEYS=key1,key2)")
-    s.add_argument("--db", default="sqlite:///attrsvc.db", help="sqlite:///PATH result store")
-    s.add_argument("--rate-limit", type=int, default=600, help="requests/minute per client")
-    s.add_argument("--max-body", type=int, default=64 * 1024, help="max request body (bytes)")
-    s.add_argument("--workers", type=int, default=2, help="concurrent analyses")
+    s.add_argument("--allow-anonymous", action="store_true",
+                   help="serve without API keys; only with a loopback --host (127.0.0.1, ::1, "
+                   "localhost)")
+    s.add_argument("--db", help="sqlite:///PATH result store (default sqlite:///"
+                   "$XDG_STATE_HOME/trainguard/attrsvc.db, i.e. ~/.local/state/trainguard/"
+                   "attrsvc.db when XDG_STATE_HOME is unset; printed at startup)")
+    s.add_argument("--rate-limit", type=int, default=600, help="requests/minute per client (default %(default)s)")
+    s.add_argument("--max-body", type=int, default=64 * 1024, help="max request body in bytes (default %(default)s)")
+    s.add_argument("--workers", type=int, default=2, help="concurrent analyses (default %(default)s)")
     s.add_argument("--jsonl", help="append every result to this JSON-lines file")
     s.add_argument("--webhook", help="POST every result to this URL (3 tries with backoff)")
     s.add_argument("--slack-webhook", help="Slack incoming-webhook URL (STOP verdicts only)")
@@ -50,33 +63,58 @@ def register(subparsers) -> list[str]:
 
 
 def _run_analysis(args) -> dict[str, Any]:
-    from trainguard.attribution._agent import RestartPolicy, decide, load_history
-    from trainguard.attribution._analyze import analyze_logs
-    from trainguard.attribution._flight_recorder import analyze_flight_recorder
+    from trainguard.attribution._agent import RestartPolicy, load_history
 
     if not args.logs and not args.fr_dir:
         raise ValueError("give at least one LOG file or --fr-dir")
-    out: dict[str, Any] = {}
-    if args.logs:
-        out = analyze_logs(args.logs, registry_path=args.registry, job_ended=args.ended).to_dict()
-        history = load_history(args.history) if args.history else []
-        verdict = decide(out, history, RestartPolicy(same_root_limit=args.same_root_limit))
-        out["category_decision"] = out["decision"]
-        out["decision"], out["reason"] = verdict.decision, verdict.reason
-        out["agent"] = verdict.to_dict()
-        if args.llm_url:
-            from trainguard.attribution._llm import LlmExplainer
-
-            out["llm"] = LlmExplainer(args.llm_url, args.llm_model,
-                                      os.environ.get("TRAINGUARD_LLM_API_KEY")).explain(out)
+    history = load_history(args.history) if args.history else []
+    policy = RestartPolicy(same_root_limit=args.same_root_limit)
+    out = _log_verdict(args, history, policy) if args.logs else {}
     if args.fr_dir:
-        fr = out["flight_recorder"] = analyze_flight_recorder(args.fr_dir).to_dict()
-        if out.get("primary_category") == "collective_timeout" and not out["culprit_ranks"] \
-                and fr["faulty_ranks"]:
-            # the log cannot say who hung; the dumps can
-            out["culprit_ranks"] = fr["faulty_ranks"]
-            out["reason"] += f" Flight recorder: ranks {fr['faulty_ranks']} are stuck."
+        _add_flight_recorder(args, out, history, policy)
+    if args.logs and args.llm_url:
+        from trainguard.attribution._llm import LlmExplainer
+
+        out["llm"] = LlmExplainer(args.llm_url, args.llm_model,
+                                  os.environ.get("TRAINGUARD_LLM_API_KEY")).explain(out)
     return out
+
+
+def _log_verdict(args, history, policy) -> dict[str, Any]:
+    from trainguard.attribution._agent import decide
+    from trainguard.attribution._analyze import analyze_logs
+
+    path = args.registry_replace or args.registry
+    out = analyze_logs(args.logs, registry_path=path, replace_registry=bool(args.registry_replace),
+                       job_ended=args.ended).to_dict()
+    verdict = decide(out, history, policy)
+    out["category_decision"] = out["decision"]
+    out["decision"], out["reason"] = verdict.decision, verdict.reason
+    out["agent"] = verdict.to_dict()
+    return out
+
+
+def _add_flight_recorder(args, out: dict[str, Any], history, policy) -> None:
+    from trainguard.attribution._agent import NO_FR_DECISION, decide, flight_recorder_record
+    from trainguard.attribution._flight_recorder import analyze_flight_recorder
+    from trainguard.attribution._registry import load_registry
+
+    fr = out["flight_recorder"] = analyze_flight_recorder(args.fr_dir).to_dict()
+    if not args.logs:
+        path = args.registry_replace or args.registry
+        reg = load_registry(path, replace=bool(args.registry_replace))
+        record = flight_recorder_record(fr, reg.categories["collective_timeout"].decision)
+        if record is None:
+            out["decision"], out["reason"], out["agent"] = None, NO_FR_DECISION, None
+            return
+        verdict = decide(record, history, policy)
+        out.update(record, category_decision=record["decision"], agent=verdict.to_dict())
+        out["decision"], out["reason"] = verdict.decision, verdict.reason
+    elif out.get("primary_category") == "collective_timeout" and not out["culprit_ranks"] \
+            and fr["faulty_ranks"]:
+        # the log cannot say who hung; the dumps can
+        out["culprit_ranks"] = fr["faulty_ranks"]
+        out["reason"] += f" Flight recorder: ranks {fr['faulty_ranks']} are stuck."
 
 
 def _analyze(args) -> int:
@@ -100,22 +138,24 @@ def _print_report(out: dict[str, Any]) -> None:
     from rich.table import Table
 
     con = Console(highlight=False)
-    if "primary_category" in out:
+    for warning in out.get("warnings", ()):
+        con.print(f"[bold yellow]Warning:[/bold yellow] {escape(warning)}")
+    if "evidence" in out:  # a log analysis
         con.print(f"[bold]Root cause:[/bold] {out['primary_category']} "
                   f"([italic]{out['failure_domain']}[/italic]), confidence {out['confidence']}")
         if out["culprit_ranks"] or out["culprit_nodes"]:
             con.print(f"  ranks: {out['culprit_ranks']}  nodes: {out['culprit_nodes']}")
-        table = Table("file:line", "role", "text", show_lines=False)
-        for ev in out["evidence"]:
-            table.add_row(escape(f"{os.path.basename(ev['file'])}:{ev['line']}"), ev["role"],
-                          escape(ev["text"][:160]))
-        con.print(table)
+        if out["evidence"]:
+            table = Table("file:line", "role", "text", show_lines=False)
+            for ev in out["evidence"]:
+                table.add_row(escape(f"{os.path.basename(ev['file'])}:{ev['line']}"),
+                              ev["role"], escape(ev["text"][:160]))
+            con.print(table)
         for c in out["cascades"]:
             con.print(f"  cascade: {c['category']} x{c['count']} on ranks {c['ranks']}")
         prog = out["progress"]
         con.print(f"  progress: last step {prog['last_step']}, checkpoint saved "
                   f"{prog['checkpoint_saved']} (step {prog['last_checkpoint_step']})")
-        con.print(f"[bold]Decision:[/bold] {out['decision']} - {escape(out['reason'])}")
     fr = out.get("flight_recorder")
     if fr:
         stuck = fr["first_stuck"] or {}
@@ -124,6 +164,7 @@ def _print_report(out: dict[str, Any]) -> None:
                   f"{fr['incomplete_ranks']}); first stuck: {stuck.get('op')} seq "
                   f"{stuck.get('collective_seq_id')} in {stuck.get('pg_desc')} "
                   f"(pg {stuck.get('pg_name')}); {len(fr['mismatches'])} mismatch(es)")
+    con.print(f"[bold]Decision:[/bold] {out['decision'] or 'none'} - {escape(out['reason'])}")
 
 
 def _keys(args) -> list[str]:
@@ -134,15 +175,27 @@ def _keys(args) -> list[str]:
     return keys
 
 
-def _attrsvc(args) -> int:
-    import uvicorn
+def _is_loopback(host: str) -> bool:
+    import ipaddress
 
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _service_config(args):
+    """ServiceConfig from the flags. Raises ConfigError/OSError on bad settings."""
     from trainguard.attribution._agent import RestartPolicy
     from trainguard.attribution._posting import JsonlPoster, SlackPoster, WebhookPoster
-    from trainguard.attribution._service import create_app
-    from trainguard.attribution._svc_core import ServiceConfig
+    from trainguard.attribution._svc_core import ServiceConfig, default_db_url
     from trainguard.errors import ConfigError
 
+    if args.allow_anonymous and not _is_loopback(args.host):
+        raise ConfigError(f"--allow-anonymous needs a loopback --host (127.0.0.1, ::1 or "
+                          f"localhost), got {args.host!r}; use --api-key-file instead")
     posters: list[Any] = []
     if args.jsonl:
         posters.append(JsonlPoster(args.jsonl))
@@ -150,13 +203,55 @@ def _attrsvc(args) -> int:
         posters.append(WebhookPoster(args.webhook))
     if args.slack_webhook:
         posters.append(SlackPoster(args.slack_webhook))
+    return ServiceConfig(allowed_roots=args.allowed_root, api_keys=_keys(args),
+                         db_url=args.db or default_db_url(), max_body_bytes=args.max_body,
+                         rate_per_minute=args.rate_limit, workers=args.workers,
+                         posters=posters, policy=RestartPolicy(),
+                         allow_anonymous=args.allow_anonymous)
+
+
+def _bind(host: str, port: int):
+    """A listening TCP socket, so the printed address is the real one (``--port 0`` included)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        cfg = ServiceConfig(allowed_roots=args.allowed_root, api_keys=_keys(args),
-                            db_url=args.db, max_body_bytes=args.max_body,
-                            rate_per_minute=args.rate_limit, workers=args.workers,
-                            posters=posters, policy=RestartPolicy())
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # connections queue from now on, while the app starts
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _attrsvc(args) -> int:
+    import uvicorn
+
+    from trainguard.attribution._service import create_app
+    from trainguard.attribution._store import db_path_from_url
+    from trainguard.errors import ConfigError
+
+    try:
+        cfg = _service_config(args)
+        db_path_from_url(cfg.db_url)
+        sock = _bind(args.host, args.port)
     except (ConfigError, OSError) as exc:
         print(f"trainguard attrsvc: error: {exc}", file=sys.stderr)
         return _EXIT_BAD_INPUT
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    auth = f"{len(cfg.api_keys)} API key(s)" if cfg.api_keys else "ANONYMOUS (no API key)"
+    for line in (f"listening on http://{shown}:{port}",
+                 f"database: {os.path.abspath(db_path_from_url(cfg.db_url))}",
+                 f"allowed roots: {', '.join(cfg.allowed_roots)}",
+                 (f"auth: {auth}; rate limit {cfg.rate_per_minute}/min per client; "
+                  f"{cfg.workers} worker(s)")):
+        print(f"trainguard attrsvc: {line}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -123,7 +123,9 @@ def _load_categories(doc: dict, path: str) -> dict[str, Category]:
                               bool(attrs.get("ranks", True)))
     missing = set(CATEGORIES) - set(cats)
     if missing:
-        raise _bad(path, f"categories missing: {sorted(missing)}")
+        raise _bad(path, f"categories missing: {sorted(missing)}; a registry that replaces the "
+                         "shipped one must declare every category (to add rows to the shipped "
+                         "registry, pass it with --registry instead of --registry-replace)")
     return cats
 
 
@@ -133,12 +135,10 @@ def parse_registry(text: str, path: str = "<string>") -> Registry:
     Raises:
         AttributionError: the YAML is malformed or a row is invalid (the message names the row).
     """
-    try:
-        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError as exc:
-        raise _bad(path, f"not valid YAML: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise _bad(path, "top level must be a mapping with 'categories' and 'patterns'")
+    return _build(_yaml(text, path), path)
+
+
+def _build(doc: dict, path: str) -> Registry:
     cats = _load_categories(doc, path)
     patterns = [_compile_pattern(row, path, cats) for row in doc.get("patterns") or ()]
     progress = []
@@ -155,23 +155,87 @@ def parse_registry(text: str, path: str = "<string>") -> Registry:
     return Registry(cats, patterns, progress, exit_codes)
 
 
-def load_registry(path: str | None = None) -> Registry:
-    """Load the registry shipped with trainguard, or the YAML file at ``path`` (cached).
+def load_registry(path: str | None = None, *, replace: bool = False) -> Registry:
+    """Load the shipped registry, extended by (or, with ``replace``, replaced by) ``path``.
+
+    Extending merges the YAML at ``path`` on top of the shipped ``default.yaml``: a
+    ``categories`` entry overrides that category's policy, a ``patterns`` or ``progress`` row
+    whose ``id`` exists replaces the shipped row in place, a row with a new ``id`` is added
+    before the shipped rows (so it wins ties), and ``exit_codes`` entries override by code.
+    Replacing uses only the file, which must then declare every category. Cached per path.
+
+    Args:
+        path: a YAML registry file, or ``None`` for the shipped one alone.
+        replace: use ``path`` instead of the shipped registry rather than on top of it.
 
     Raises:
-        AttributionError: the file cannot be read or is invalid.
+        AttributionError: the file cannot be read or is invalid (the message names the row).
     """
-    return _load(os.path.abspath(path) if path else None)
+    return _load(os.path.abspath(path) if path else None, bool(replace and path))
+
+
+_TOP_KEYS = {"categories", "patterns", "progress", "exit_codes"}
+
+
+def _shipped_text() -> str:
+    return resources.files("trainguard.attribution").joinpath(
+        "patterns/default.yaml").read_text(encoding="utf-8")
+
+
+def _yaml(text: str, path: str) -> dict:
+    try:
+        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        raise _bad(path, f"not valid YAML: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise _bad(path, "top level must be a mapping with 'categories' and 'patterns'")
+    return doc
+
+
+def _merge_rows(base: list, extra: list, path: str, key: str) -> list:
+    """Rows of ``extra`` replace same-id rows of ``base`` in place; new ids go first."""
+    if not isinstance(extra, list) or not all(isinstance(r, dict) and r.get("id")
+                                              for r in extra):
+        raise _bad(path, f"'{key}' must be a list of rows, each with an 'id'")
+    by_id = {r["id"]: r for r in extra}
+    merged = [by_id.pop(r.get("id"), r) for r in base]
+    return [r for r in extra if r["id"] in by_id] + merged
+
+
+def merge_registry_docs(base: dict, extra: dict, path: str) -> dict:
+    """The registry document ``base`` with the overlay ``extra`` (from ``path``) merged on top.
+
+    Raises:
+        AttributionError: ``extra`` has an unknown top-level key or malformed rows.
+    """
+    unknown = sorted(set(extra) - _TOP_KEYS)
+    if unknown:
+        raise _bad(path, f"unknown top-level key(s) {unknown}; use {sorted(_TOP_KEYS)}")
+    out = dict(base)
+    for key in ("categories", "exit_codes"):
+        if extra.get(key) is not None:
+            if not isinstance(extra[key], dict):
+                raise _bad(path, f"'{key}' must be a mapping")
+            out[key] = dict(base.get(key) or {})
+            for name, value in extra[key].items():
+                prev = out[key].get(name)  # a category overlay may set only some attributes
+                both = isinstance(prev, dict) and isinstance(value, dict)
+                out[key][name] = {**prev, **value} if both else value
+    for key in ("patterns", "progress"):
+        if extra.get(key) is not None:
+            out[key] = _merge_rows(list(base.get(key) or ()), extra[key], path, key)
+    return out
 
 
 @lru_cache(maxsize=8)
-def _load(path: str | None) -> Registry:
+def _load(path: str | None, replace: bool = False) -> Registry:
     if path is None:
-        text = resources.files("trainguard.attribution").joinpath(
-            "patterns/default.yaml").read_text(encoding="utf-8")
-        return parse_registry(text, "default.yaml")
+        return parse_registry(_shipped_text(), "default.yaml")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise _bad(path, f"cannot read: {exc}") from exc
-    return parse_registry(text, path)
+    if replace:
+        return parse_registry(text, path)
+    doc = merge_registry_docs(_yaml(_shipped_text(), "default.yaml"), _yaml(text, path), path)
+    return _build(doc, f"{path} (merged onto the shipped default.yaml)")

@@ -5,10 +5,14 @@ substrings are decoded and matched (one Aho-Corasick pass per chunk with ``ahoco
 one ``bytes.find`` pass per trigger), and progress is looked
 up from the end of each chunk, since only the last iteration matters. Everything kept is bounded:
 at most ``_KEEP`` matches per pattern plus per-pattern sets of who printed them.
+
+The first 64 KiB of each file are sniffed: NUL bytes are an error (binary), and more than 10%
+undecodable or control characters make a warning and mark the file as not text.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +36,9 @@ _TAIL = 1 << 16
 _MAX_KEYS = 4096
 _TEXT = 400
 _FAILURE_ROLES = {"root", "confirmation", "cascade", "exit", "diagnostic"}
+_SNIFF = 1 << 16  # bytes of each file judged for text-likeness
+_MAX_JUNK = 0.10  # above this fraction of undecodable/control characters a file is not text
+_TEXT_CONTROLS = frozenset("\t\n\r\f\v\b\x1b")  # tabs, progress bars, ANSI colours
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class ScanState:
     bytes_read: int = 0
     lines: int = 0
     warnings: list[str] = field(default_factory=list)
+    non_text: list[str] = field(default_factory=list)  # files that do not look like text logs
+    nonempty: int = 0
     matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     who: dict[str, set] = field(default_factory=lambda: defaultdict(set))
@@ -97,6 +106,29 @@ def _decode(raw: bytes, state: ScanState, name: str) -> str:
         if note not in state.warnings:
             state.warnings.append(note)
     return text.rstrip("\r")
+
+
+def junk_fraction(head: bytes) -> float:
+    """Fraction of the characters of ``head`` that are undecodable or non-printable controls.
+
+    UTF-8 with replacement (an incomplete sequence at the end is ignored); tab, backspace,
+    carriage return, form feed and ESC (ANSI colours) count as text.
+    """
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(head, final=False)
+    if not text:
+        return 0.0
+    junk = sum(1 for c in text if c == "\ufffd" or (
+        (c < " " or "\x7f" <= c <= "\x9f") and c not in _TEXT_CONTROLS))
+    return junk / len(text)
+
+
+def _sniff(head: bytes, path: str, state: ScanState) -> None:
+    frac = junk_fraction(head)
+    if frac > _MAX_JUNK:
+        state.non_text.append(path)
+        state.warnings.append(
+            f"{path}: does not look like a text log ({frac:.0%} of its first {len(head)} bytes "
+            "are undecodable or non-printable); pass the text stdout/stderr of the job")
 
 
 def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanState, pos) -> None:
@@ -256,13 +288,15 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
     except OSError as exc:
         raise LogInputError(f"cannot read log {path!r}: {exc.strerror or exc}") from exc
     with fh:
-        head = fh.read(8192)
-        if b"\x00" in head:
+        head = fh.read(_SNIFF)
+        if b"\x00" in head[:8192]:
             raise LogInputError(f"log {path!r} looks binary (NUL bytes in its first 8 KiB); "
                                 "pass the text stdout/stderr of the job")
         if not head:
             state.warnings.append(f"{path}: empty log")
             return
+        state.nonempty += 1
+        _sniff(head, path, state)
         fh.seek(0)
         base, carry = 0, b""
         while True:

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard._core.logging import get_logger
-from trainguard.attribution._agent import RestartPolicy, decide
+from trainguard.attribution._agent import (
+    NO_FR_DECISION,
+    RestartPolicy,
+    decide,
+    decide_from_flight_recorder,
+)
 from trainguard.attribution._analyze import analyze_logs
 from trainguard.attribution._flight_recorder import analyze_flight_recorder
 from trainguard.attribution._store import ResultStore
@@ -24,9 +29,18 @@ from trainguard.attribution._svc_security import ApiError, safe_path
 from trainguard.attribution.errors import AttributionError
 from trainguard.errors import ConfigError
 
-__all__ = ["AnalysisService", "ServiceConfig"]
+__all__ = ["AnalysisService", "ServiceConfig", "default_db_url"]
 
 _log = get_logger("trainguard.attribution.service")
+
+
+def default_db_url() -> str:
+    """``sqlite:///$XDG_STATE_HOME/trainguard/attrsvc.db``; ``~/.local/state`` when that variable
+    is unset or relative (as the XDG base-directory spec says)."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return "sqlite:///" + os.path.join(state, "trainguard", "attrsvc.db")
 
 
 @dataclass
@@ -36,7 +50,8 @@ class ServiceConfig:
     Attributes:
         allowed_roots: directories whose files may be analysed (symlinks resolved).
         api_keys: accepted API keys; at least one unless ``allow_anonymous``.
-        db_url: ``sqlite:///PATH`` (default ``attrsvc.db`` in the working directory).
+        allow_anonymous: accept requests without a key (the CLI allows it on loopback only).
+        db_url: ``sqlite:///PATH`` (default :func:`default_db_url`, under the user's state dir).
         max_body_bytes: largest accepted request body (bytes).
         rate_per_minute: requests per minute per client (API key or address).
         workers: concurrent analyses.
@@ -47,7 +62,7 @@ class ServiceConfig:
 
     allowed_roots: list[str]
     api_keys: list[str] = field(default_factory=list)
-    db_url: str = "sqlite:///attrsvc.db"
+    db_url: str = field(default_factory=default_db_url)
     max_body_bytes: int = 64 * 1024
     rate_per_minute: int = 600
     workers: int = 2
@@ -68,8 +83,10 @@ class ServiceConfig:
         self.allowed_roots = roots
         self.api_keys = [k.strip() for k in self.api_keys if k and k.strip()]
         if not self.api_keys and not self.allow_anonymous:
-            raise ConfigError("no API key configured: pass --api-key-file or set "
-                              "TRAINGUARD_ATTRSVC_API_KEYS (or explicitly allow anonymous use)")
+            raise ConfigError("no API key configured: pass --api-key-file, set "
+                              "TRAINGUARD_ATTRSVC_API_KEYS=key1,key2, or pass --allow-anonymous "
+                              "(loopback --host only; ServiceConfig(allow_anonymous=True) in "
+                              "Python)")
         for name in ("max_body_bytes", "rate_per_minute", "workers", "max_paths"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -170,8 +187,12 @@ class AnalysisService:
         if req.get("fr_dir"):
             fr = analyze_flight_recorder(req["fr_dir"], within=self.cfg.allowed_roots).to_dict()
         out: dict[str, Any] = {"analysis": analysis, "flight_recorder": fr}
-        if analysis is not None:
-            verdict = decide(analysis, self._history(rec["job_id"], rec["cycle"]), self.cfg.policy)
+        history = self._history(rec["job_id"], rec["cycle"])
+        verdict = decide(analysis, history, self.cfg.policy) if analysis is not None else \
+            decide_from_flight_recorder(fr or {}, history, self.cfg.policy)
+        if verdict is None:
+            out["decision"], out["reason"] = None, NO_FR_DECISION
+        else:
             out["agent"] = verdict.to_dict()
             out["decision"], out["reason"] = verdict.decision, verdict.reason
         return out

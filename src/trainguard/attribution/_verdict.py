@@ -10,6 +10,9 @@ Selection order (first that applies):
 5. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
 6. ``unknown``.
 
+When no input file looks like text (see ``_scan.junk_fraction``) the result is ``unknown`` with
+confidence 0 and decision STOP: a verdict, let alone a restart, cannot rest on unreadable input.
+
 Follows: NVRx restart-agent L0 (earliest confirmed root, cascades folded into counts).
 """
 
@@ -21,6 +24,9 @@ from trainguard.attribution._result import AnalysisResult, Cascade, Evidence
 from trainguard.attribution._scan import Match, ScanState
 
 __all__ = ["build_result"]
+
+_UNREADABLE = ("no input file looks like a text log (see warnings), so nothing could be "
+               "attributed and no automatic restart should rest on it; check the log paths")
 
 def _first(state: ScanState, roles: set[str], pred=lambda p: True) -> list[Match]:
     out = []
@@ -123,20 +129,26 @@ def _confidence(chosen: list[Match], category: str, ids: list[str]) -> int:
 
 def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> AnalysisResult:
     """Turn a finished scan into an :class:`AnalysisResult` (decision from category policy)."""
-    category, chosen, basis = _select(state, reg, job_ended)
+    unreadable = bool(state.non_text) and len(state.non_text) == state.nonempty
+    if unreadable:  # matches in binary data are noise; nothing can be attributed
+        category, chosen, basis = "unknown", [], _UNREADABLE
+    else:
+        category, chosen, basis = _select(state, reg, job_ended)
     cat = reg.categories[category]
     ids = _primary_ids(state, category, chosen)
     ranks = _culprit_ranks(state, reg, category, ids)
     nodes = sorted(nodes_of(state, ids)) if cat.nodes else []
-    decision = cat.decision
+    decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
     cascades = _cascades(state, category, ranks)
     return AnalysisResult(
         primary_category=category, failure_domain=cat.domain, culprit_ranks=ranks,
         culprit_nodes=nodes or None, cascades=cascades, decision=decision, basis=basis,
-        evidence=_evidence(state, ids, cascades), confidence=_confidence(chosen, category, ids),
-        fingerprint=f"{category}:{chosen[0].pattern.id}" if chosen else category,
+        evidence=_evidence(state, ids, cascades),
+        confidence=0 if unreadable else _confidence(chosen, category, ids),
+        fingerprint=f"{category}:{chosen[0].pattern.id}" if chosen else
+        f"{category}:unreadable" if unreadable else category,
         last_step=state.last_progress[1] if state.last_progress else None,
         last_checkpoint_step=state.last_checkpoint[1] if state.last_checkpoint else None,
         checkpoint_saved=state.last_checkpoint is not None,

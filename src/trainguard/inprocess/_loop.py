@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -194,6 +195,8 @@ class LoopMixin:
     def on_fault(self, exc: Exception) -> None:
         """Record a local Exception and wait for the interrupt (raises RankShouldRestart)."""
         self.state.fn_exception = exc
+        # text only: keeping the exception would keep the failed attempt's frames alive
+        self.last_fault_text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         t = time.time()
         it = self.state.iteration
         secondary = co.is_comm_error(exc) or co.is_interrupted(self.store, self.keys, it)

@@ -30,13 +30,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from trainguard._core.hooks import run_reset_callbacks
 from trainguard._core.logging import get_logger
-from trainguard._core.store import is_store_timeout
 from trainguard.inprocess import _coord as co
 from trainguard.inprocess.exceptions import RankShouldRestart
 
@@ -150,6 +148,9 @@ class RestartInfo:
     interrupt_time: float
 
 
+_POLL_S = 0.02
+
+
 class MonitorThread(threading.Thread):
     """Watches one iteration for interruptions (see module docstring)."""
 
@@ -180,13 +181,14 @@ class MonitorThread(threading.Thread):
 
     def run(self) -> None:
         key = self.keys.it(self.iteration, "interrupted")
+        # Poll with check() rather than timed store.wait(): every timed-out c10d wait logs two
+        # C++ warnings (a flood over a long run), and ending a wait early means shutting its
+        # socket, which logs a stack trace. A poll costs one store round trip (~50 us).
+        poll_s = min(self.interval_s, _POLL_S)
         try:
             while not self._stopped.is_set():
-                try:
-                    self.store.wait([key], timedelta(seconds=self.interval_s))
-                except RuntimeError as exc:
-                    if not is_store_timeout(exc):
-                        raise
+                if not self.store.check([key]):
+                    self._stopped.wait(poll_s)
                     continue
                 self._terminate()
                 return
@@ -238,9 +240,11 @@ class MonitorThread(threading.Thread):
         self._stopped.set()
         if not self.is_alive() or self is threading.current_thread():
             return
-        for fd in self.conn_fds:
-            _shutdown_socket(fd)
         self.join(timeout_s)
+        if self.is_alive():  # stuck in a store call: end it by shutting its connection
+            for fd in self.conn_fds:
+                _shutdown_socket(fd)
+            self.join(0.5)
 
 
 def _shutdown_socket(fd: int) -> None:

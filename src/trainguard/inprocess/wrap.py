@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -244,6 +245,11 @@ class CallWrapper:
             raise RuntimeError("init_process_group on an inactive rank (it runs no fn)")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout_s = self._rt.cfg.barrier_timeout_s if timeout is None else as_seconds(timeout)
+        # torch wraps sys.excepthook at every init to prefix "[rankN]:"; start each iteration from
+        # the original so the prefixes do not pile up across restarts.
+        if self._rt.excepthook is None:
+            self._rt.excepthook = sys.excepthook
+        sys.excepthook = self._rt.excepthook
         with _transport.tracking():
             dist.init_process_group(
                 backend, store=self.process_group_store, rank=st.active_rank,
@@ -269,6 +275,8 @@ class _Runtime(LoopMixin):
         self.hosting = False
         self.frozen_gc = False
         self.completed = False
+        self.excepthook: Callable | None = None
+        self.last_fault_text: str | None = None
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         saved = env_snapshot()
@@ -278,6 +286,7 @@ class _Runtime(LoopMixin):
                 pass
             self.completed = True
         except BaseException as exc:
+            self.explain_exit(exc)
             if self.keys is not None:
                 self.exit_path(exc)
             raise
@@ -286,6 +295,25 @@ class _Runtime(LoopMixin):
             env_restore(saved)
         self.run_completion()
         return self.ret if self.state.mode == Mode.ACTIVE else None
+
+    def explain_exit(self, exc: BaseException) -> None:
+        """Name the last restart's fault on the exception that ends the loop.
+
+        A ``RestartAbort`` from a retry limit otherwise hides why the attempts kept failing.
+        """
+        if not self.records or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        rec = self.records[-1]
+        note = (
+            f"last restart: iteration {rec.iteration}, {rec.cause} on initial ranks "
+            f"{list(rec.fault_ranks)}: {rec.message}"
+        )
+        if self.last_fault_text:
+            note += f"; this rank's last exception: {self.last_fault_text}"
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        elif exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} ({note})",) + exc.args[1:]
 
     def setup(self) -> None:
         if dist.is_available() and dist.is_initialized():
