@@ -30,7 +30,8 @@ __all__ = ["MARKER", "RUN_FILES", "DemoConfig", "OutputDirError", "clear_run_fil
 MARKER = ".trainguard-demo"
 _MARKER_TEXT = "made by `trainguard demo`; a new demo run may clear this directory's run files\n"
 
-# Everything a previous run may have left in the output directory (removed before a new run).
+# Everything a previous run may have left in the output directory (removed before a new run,
+# only in a directory carrying MARKER).
 RUN_FILES = (
     "config.json", "data.npz", "checkpoint.pt", "checkpoints", "sync_baseline.pt", "events", "markers", "logs", "pids",
     "summary.json", "timeline.png",

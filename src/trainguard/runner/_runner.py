@@ -338,9 +338,15 @@ class DistributedRunner:
     def _crashed(self, rank: int, what: str) -> None:
         proc = self._procs[rank]
         code = exit_status(proc)
+        hint = ""
+        if what == "start" and code == 1:
+            # the usual cause: spawn re-imports the caller's script, which starts a runner again
+            hint = (" If the script creates the runner at module level, put that code under "
+                    "`if __name__ == \"__main__\":` (ranks use the spawn start method, which "
+                    "re-imports the main module).")
         raise WorkerCrashed(
             f"rank {rank} (pid {proc.pid}) died during {what}() without answering: "
-            f"{describe_exit(code)}; see its stderr for the traceback (faulthandler is on). "
+            f"{describe_exit(code)}; see its stderr for the traceback (faulthandler is on).{hint} "
             f"{_UNUSABLE}", rank=rank, pid=proc.pid, exitcode=code)
 
     def _timed_out(self, pending: set[int], deadline: Deadline, what: str,
