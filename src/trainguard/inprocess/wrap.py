@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import sys
 import threading
 import time
@@ -245,16 +246,26 @@ class CallWrapper:
             raise RuntimeError("init_process_group on an inactive rank (it runs no fn)")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout_s = self._rt.cfg.barrier_timeout_s if timeout is None else as_seconds(timeout)
-        # torch wraps sys.excepthook at every init to prefix "[rankN]:"; start each iteration from
-        # the original so the prefixes do not pile up across restarts.
-        if self._rt.excepthook is None:
-            self._rt.excepthook = sys.excepthook
-        sys.excepthook = self._rt.excepthook
+        # torch wraps sys.excepthook at every init to prefix "[rankN]:"; unwrap earlier layers
+        # so the prefixes do not pile up across restarts (or across calls).
+        sys.excepthook = _unwrapped_excepthook(sys.excepthook)
         with _transport.tracking():
             dist.init_process_group(
                 backend, store=self.process_group_store, rank=st.active_rank,
                 world_size=st.active_world_size, timeout=timedelta(seconds=timeout_s), **kwargs,
             )
+
+
+def _unwrapped_excepthook(hook: Callable) -> Callable:
+    """``hook`` without the ``[rankN]:`` layers that ``dist.init_process_group`` added."""
+    for _ in range(1000):
+        if getattr(hook, "__name__", "") != "_distributed_excepthook":
+            break
+        inner = inspect.getclosurevars(hook).nonlocals.get("old_hook")
+        if not callable(inner):
+            break
+        hook = inner
+    return hook
 
 
 class _Runtime(LoopMixin):
@@ -275,7 +286,6 @@ class _Runtime(LoopMixin):
         self.hosting = False
         self.frozen_gc = False
         self.completed = False
-        self.excepthook: Callable | None = None
         self.last_fault_text: str | None = None
 
     def run(self, args: tuple, kwargs: dict) -> Any:
