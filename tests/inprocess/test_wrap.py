@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
-from datetime import timedelta
-
-import sys
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
