@@ -116,6 +116,7 @@ class LoopMixin:
         co.publish_member(self.store, self.keys, it, st.initial_rank, st.rank)
         self.interrupter.arm()
         self.completed_barrier = False
+        _transport.mark_iteration_start()
         before = open_fds()
         own_store = co.clone_store(self.store)
         mt = MonitorThread(

@@ -20,12 +20,21 @@ import psutil
 
 from trainguard._core.logging import get_logger
 
-__all__ = ["clear", "shutdown_tracked", "snapshot", "tracked_fds", "tracking"]
+__all__ = [
+    "clear",
+    "mark_iteration_start",
+    "shutdown_since_iteration_start",
+    "shutdown_tracked",
+    "snapshot",
+    "tracked_fds",
+    "tracking",
+]
 
 _log = get_logger("trainguard.inprocess")
 _lock = threading.Lock()
 _tracked: dict[int, tuple] = {}  # fd -> (laddr, raddr) at tracking time
 _excluded_ports: set[int] = set()
+_iteration_baseline: set[int] = set()
 
 
 def _connections() -> dict[int, psutil._common.pconn]:
@@ -68,6 +77,25 @@ def tracking() -> Iterator[None]:
         yield
     finally:
         track_new(before)
+
+
+def mark_iteration_start() -> None:
+    """Remember the TCP sockets open when an iteration begins (for the untracked fallback)."""
+    global _iteration_baseline
+    _iteration_baseline = snapshot()
+
+
+def shutdown_since_iteration_start() -> int:
+    """Fallback for groups created without :func:`tracking` (a plain ``init_process_group``):
+    shut the connected sockets opened since the iteration began, except the store's.
+
+    Sockets the wrapped function opened for other purposes in this iteration are shut too; the
+    iteration is being torn down, and the next one recreates them. Returns how many were shut.
+    """
+    with _lock:
+        _tracked.clear()
+    track_new(_iteration_baseline)
+    return shutdown_tracked()
 
 
 def tracked_fds() -> dict[int, tuple]:

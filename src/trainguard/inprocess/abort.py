@@ -41,6 +41,8 @@ class AbortTorchDistributed(Abort):
     * CPU (gloo): ``shutdown(SHUT_RDWR)`` on the process groups' connected TCP sockets (tracked by
       ``CallWrapper.init_process_group``/``CallWrapper.tracking_process_group``), which makes a
       blocked collective raise within milliseconds; the listener and the store are left alone.
+      A gloo group created with a plain ``init_process_group`` (untracked) falls back to the
+      connected sockets opened since the iteration began (logged as a warning).
     * CUDA (NCCL): abort each group's NCCL backend (communicators), in parallel threads.
     * ``destroy_process_group()`` follows in the main thread once it caught the interrupt (the
       restart loop does it); ``destroy=True`` destroys here already, as NVRx does. Destroying
@@ -56,6 +58,12 @@ class AbortTorchDistributed(Abort):
 
     def __call__(self, state: FrozenState) -> FrozenState:
         shut = _transport.shutdown_tracked()
+        if not shut and dist.is_available() and dist.is_initialized() and self._gloo_world():
+            shut = _transport.shutdown_since_iteration_start()
+            _log.warning(
+                "abort: the process group was not created through CallWrapper.init_process_group "
+                "(or inside CallWrapper.tracking_process_group); shut %d sockets opened in this "
+                "iteration to release blocked gloo collectives", shut)
         if dist.is_available() and dist.is_initialized():
             self._abort_nccl()
             if self.destroy:
@@ -65,6 +73,13 @@ class AbortTorchDistributed(Abort):
                     _log.debug("destroy_process_group failed", exc_info=True)
         _log.debug("abort: %d sockets shut, process groups destroyed", shut)
         return state
+
+    @staticmethod
+    def _gloo_world() -> bool:
+        try:
+            return dist.get_backend() == "gloo"
+        except Exception:  # noqa: BLE001 - a group torn down concurrently
+            return False
 
     def _abort_nccl(self) -> None:
         if not torch.cuda.is_available():
