@@ -29,10 +29,13 @@ def plain_group_rank_main():
              progress_watchdog_interval=0.05, last_call_wait=0.05, termination_grace_time=0.5)
     def train(cw: CallWrapper):
         holder["cw"] = cw
-        store = dist.PrefixStore(f"user_pg_{cw.iteration}", cw.store)  # a fresh prefix per attempt
-        dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timedelta(seconds=300))
+        if os.environ.get("TG_TEST_TRACKED") == "1":
+            cw.init_process_group(timeout=300)
+        else:
+            store = dist.PrefixStore(f"user_pg_{cw.iteration}", cw.store)  # fresh prefix per attempt
+            dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timedelta(seconds=300))
         for step in range(4):
             if rank == 1 and cw.iteration == 0 and step == 2:
                 time.sleep(0.3)  # rank 0 is inside the all_reduce by now
@@ -48,9 +51,10 @@ def plain_group_rank_main():
 
 
 @pytest.mark.timeout(90)
-def test_untracked_gloo_group_is_released_by_the_default_abort():
+@pytest.mark.parametrize("tracked", [False, True])
+def test_untracked_gloo_group_is_released_by_the_default_abort(tracked):
     res = run_ranks("test_untracked_group:plain_group_rank_main", 2, timeout_s=60,
-                    pythonpath=[HERE])
+                    pythonpath=[HERE], env={"TG_TEST_TRACKED": "1" if tracked else "0"})
     for r in res:
         print(f"rank {r.rank}: rc={r.returncode} result={r.result}")
         assert r.returncode == 0, r.stderr[-3000:]
@@ -58,4 +62,6 @@ def test_untracked_gloo_group_is_released_by_the_default_abort():
         [(cause, ranks, restart_s)] = r.result["records"]
         assert cause == "exception" and ranks == [1]
         assert restart_s < 10.0  # far below gloo's 300 s timeout
-    assert "not created through CallWrapper.init_process_group" in res[0].stderr + res[1].stderr
+    warned = "not created through CallWrapper.init_process_group" in res[0].stderr + res[1].stderr
+    assert warned is not tracked  # the fallback (and its warning) only for untracked groups
+    assert "injected fault on rank 1" in res[1].stderr  # the fault is logged with its traceback

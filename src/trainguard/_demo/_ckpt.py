@@ -27,7 +27,11 @@ from torch import nn
 
 from trainguard._demo._config import DemoConfig
 from trainguard._demo._events import EventLog
-from trainguard.checkpointing import AsyncCheckpointer, CheckpointNotFoundError
+from trainguard.checkpointing import (
+    AsyncCheckpointer,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT", "DemoCheckpoints", "apply_state", "checkpoint_state", "load_checkpoint",
@@ -168,7 +172,7 @@ class DemoCheckpoints:
         ckpt = self._checkpointer()
         try:
             state, _ = ckpt.load(weights_only=True)
-        except CheckpointNotFoundError:
+        except (CheckpointNotFoundError, CheckpointMismatchError):
             # None, or only shards of another world size (a rank left and no reserve was
             # left to replace it): the state is replicated, so rank 0's shard serves everyone.
             try:

@@ -203,10 +203,15 @@ class LoopMixin:
         secondary = co.is_comm_error(exc) or co.is_interrupted(self.store, self.keys, it)
         rec = co.Interruption(co.Cause.EXCEPTION.value, self.state.initial_rank, t, t,
                               repr(exc)[:300], secondary)
-        # repr now: a log record must not keep the exception (and the attempt's frames) alive
-        log.log(logging.DEBUG if secondary else logging.INFO,
-                "iteration %d: %s; restarting all ranks", it, rec.message)
         co.record_interruption(self.store, self.keys, self.state.iteration, rec)
+        # Text only: a log record must not keep the exception (and the attempt's frames) alive.
+        # A primary fault is a WARNING so it shows without any logging set-up.
+        if secondary:
+            log.debug("iteration %d: %s (secondary); restarting all ranks", it, rec.message)
+        else:
+            log.warning("trainguard: rank %s (initial rank %s) iteration %d raised; restarting "
+                        "all ranks:\n%s", self.state.rank, self.state.initial_rank, it,
+                        "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         self.wait_interrupt()
 
     def wait_interrupt(self) -> None:

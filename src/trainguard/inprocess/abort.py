@@ -57,8 +57,9 @@ class AbortTorchDistributed(Abort):
         self.destroy = destroy
 
     def __call__(self, state: FrozenState) -> FrozenState:
+        tracked = bool(_transport.tracked_fds())  # none tracked: the group was made elsewhere
         shut = _transport.shutdown_tracked()
-        if not shut and dist.is_available() and dist.is_initialized() and self._gloo_world():
+        if not tracked and dist.is_available() and dist.is_initialized() and self._gloo_world():
             shut = _transport.shutdown_since_iteration_start()
             _log.warning(
                 "abort: the process group was not created through CallWrapper.init_process_group "

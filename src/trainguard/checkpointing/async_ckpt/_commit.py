@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainguard._core.logging import get_logger
 from trainguard.checkpointing.errors import (
     CheckpointError,
     CheckpointWorkerError,
@@ -15,6 +16,9 @@ from trainguard.checkpointing.errors import (
 from trainguard.checkpointing.manager import CheckpointManager
 
 __all__ = ["build_dcp_metadata", "commit_collective", "raise_for_failures"]
+
+
+_log = get_logger("trainguard.checkpointing")
 
 
 def build_dcp_metadata(extras: list[bytes]) -> bytes:
@@ -89,7 +93,11 @@ def commit_collective(manager: CheckpointManager, record: dict, extra: bytes | N
         except OSError as exc:
             outcome[0] = f"commit of manifest failed: {type(exc).__name__}: {exc}"
     if failures and rank == 0:
-        manager.storage.remove(manager.step_dir(step))  # uncommitted leftovers of the failed save
+        try:  # uncommitted leftovers of the failed save; may fail too (EROFS, EIO)
+            manager.storage.remove(manager.step_dir(step))
+        except OSError as exc:  # the outcome must still reach every rank
+            _log.warning("could not remove the failed save's directory %s: %s",
+                         manager.step_dir(step), exc)
     if group is not None:
         dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
     if outcome[0] is not None:

@@ -9,7 +9,11 @@ import torch
 import torch.distributed as dist
 
 from trainguard._core.logging import get_logger
-from trainguard.checkpointing.errors import CheckpointNotFoundError
+from trainguard.checkpointing.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from trainguard.checkpointing.manager import rank_file
 from trainguard.errors import ConfigError
 
@@ -61,6 +65,7 @@ class LoadMixin:
             raise ConfigError("loading needs AsyncCheckpointer(root=...)")
         self._ensure_group()
         candidates = [step] if step is not None else self._agree_candidates()
+        skipped: list[tuple[int, Exception | None]] = []
         for s in candidates:
             problem = None
             try:
@@ -78,6 +83,14 @@ class LoadMixin:
             _log.warning("skipping checkpoint step %s: %s", s, problem or "invalid on another rank")
             if step is not None and problem is not None:
                 raise problem
+            skipped.append((s, problem))
+        if skipped:  # committed checkpoints exist but none fits: never "start fresh" silently
+            detail = "; ".join(f"step {s}: {p or 'invalid on another rank'}" for s, p in skipped)
+            cls = (CheckpointMismatchError
+                   if any(isinstance(p, CheckpointMismatchError) for _, p in skipped)
+                   else CorruptCheckpointError)
+            raise cls(f"{len(skipped)} committed checkpoint(s) in {self.manager.storage.url}, "
+                      f"none valid on every rank: {detail}")
         raise CheckpointNotFoundError(
             f"no committed checkpoint valid on every rank in {self.manager.storage.url}"
             + (f" (requested step {step})" if step is not None else ""))
