@@ -32,12 +32,14 @@ def test_failed_save_whose_leftovers_cannot_be_removed_still_raises_write_error(
 def test_only_corrupt_checkpoints_is_not_reported_as_none_found(tmp_path):
     """``except CheckpointNotFoundError: start fresh`` must not silently restart from step 0
     when committed checkpoints exist but every one of them is corrupt."""
-    from trainguard.checkpointing import AsyncCheckpointer, CheckpointNotFoundError
-    from trainguard.checkpointing import CorruptCheckpointError
+    from trainguard.checkpointing import (
+        AsyncCheckpointer,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+    )
 
-    with AsyncCheckpointer(tmp_path / "empty") as ck:
-        with pytest.raises(CheckpointNotFoundError):
-            ck.load()
+    with AsyncCheckpointer(tmp_path / "empty") as ck, pytest.raises(CheckpointNotFoundError):
+        ck.load()
     with AsyncCheckpointer(tmp_path / "ck", keep_last=2) as ck:
         ck.save({"w": torch.ones(1024)}, 1)
         assert ck.wait() == [1]
