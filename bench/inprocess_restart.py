@@ -154,21 +154,7 @@ def run_wrapped(
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     master, store = free_port(), free_port()
-    cmd = [
-        python,
-        WORKLOAD,
-        "--mode",
-        mode,
-        "--out",
-        out,
-        "--plan",
-        json.dumps(plan),
-        "--gloo-timeout",
-        str(args.gloo_timeout),
-        "--store-port",
-        str(store),
-        *extra,
-    ]
+    cmd = [python, *_workload_args(mode, out, plan, args), "--store-port", str(store), *extra]
     # Generous: a mechanism that waits for the gloo timeout still finishes and shows it.
     slack = 15.0 + args.gloo_timeout
     per_fault = {"exc": slack, "hang": args.hard_timeout + slack, "kill": slack}
@@ -187,6 +173,12 @@ def run_wrapped(
     return fault_figures(load_events(out))
 
 
+def _workload_args(mode: str, out: str, plan: list, args: argparse.Namespace) -> list[str]:
+    """The workload script and the arguments every mode shares."""
+    return [WORKLOAD, "--mode", mode, "--out", out, "--plan", json.dumps(plan),
+            "--gloo-timeout", str(args.gloo_timeout)]
+
+
 def run_torchrun(args: argparse.Namespace, work: str) -> list[FaultFigures]:
     """The same workload under ``torchrun --max-restarts``: every fault restarts the whole job."""
     out = os.path.join(work, "torchrun")
@@ -200,15 +192,7 @@ def run_torchrun(args: argparse.Namespace, work: str) -> list[FaultFigures]:
         f"--nproc-per-node={args.ranks}",
         f"--max-restarts={args.faults}",
         "--monitor-interval=0.1",
-        WORKLOAD,
-        "--mode",
-        "torchrun",
-        "--out",
-        out,
-        "--plan",
-        json.dumps(plan),
-        "--gloo-timeout",
-        str(args.gloo_timeout),
+        *_workload_args("torchrun", out, plan, args),
     ]
     env = _rank_env(0, args.ranks, 0, 0)
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINGUARD_STORE_PORT"):
