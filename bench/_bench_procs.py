@@ -19,7 +19,7 @@ from types import FrameType
 
 import psutil
 
-from trainguard._core.procs import terminate_pids
+from trainguard._core.procs import terminate_processes
 
 __all__ = ["RankGroup", "become_subreaper", "exit_on_signals", "kill_descendants"]
 
@@ -45,7 +45,7 @@ def kill_descendants(grace_s: float = 3.0) -> list[int]:
             if child.status() != psutil.STATUS_ZOMBIE:
                 pids.append(child.pid)
     if pids:
-        terminate_pids(pids, grace_s=grace_s)
+        terminate_processes(pids, grace_s=grace_s)
     _reap_zombies()
     return pids
 

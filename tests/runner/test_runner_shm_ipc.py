@@ -118,7 +118,7 @@ def test_frames_round_trip_large_bodies_and_report_eof_mid_frame():
     assert kind == 7 and bytes(got) == body
     assert reader.recv()[0] == 1
     sender.join(10)
-    os.write(w, b"\x05\x10\x00\x00\x00abc")  # header promises 16 bytes, writer exits after 3
+    os.write(w, b"\x01\x05\x10\x00\x00\x00abc")  # v1 header promises 16 bytes, writer exits after 3
     os.close(w)
     with pytest.raises(EOFError):
         reader.recv()

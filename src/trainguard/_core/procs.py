@@ -1,18 +1,32 @@
-"""Process utilities: spawn context, sentinel waits, terminate-with-grace, reaping.
+"""Process utilities: spawn context, exit descriptions, and the one process-shutdown routine.
 
-Shutdown always escalates SIGTERM -> grace -> SIGKILL -> reap against one monotonic deadline, and
-works on ``multiprocessing`` processes, ``subprocess.Popen`` objects and bare pids alike.
+:func:`terminate_processes` is the only shutdown mechanism in trainguard. It works on
+``multiprocessing`` processes, ``subprocess.Popen`` objects and bare pids alike, and always
+escalates against one monotonic deadline:
+
+1. snapshot each target's descendants (psutil, by parent pid: this also finds descendants that
+   called ``setsid``/``setpgid`` and left the process group);
+2. SIGCONT (a stopped process cannot act on a signal) and ``first_signal`` to each target's main
+   process (and, with ``groups=True``, to its process group);
+3. wait up to ``grace_s`` for the targets to exit (pidfd/sentinel waits, no sleep-polling);
+4. SIGKILL every survivor of the whole tree (targets, the descendants seen in step 1 and any
+   seen now, and the groups with ``groups=True``);
+5. reap our own children and wait for the rest, bounded by the same deadline.
+
+Follows: torchelastic ``MultiprocessContext._close`` (signal, one deadline, SIGKILL, join);
+differences: the whole tree including setsid descendants, SIGCONT first, a bounded final reap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
-import multiprocessing.connection
 import os
+import select
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import psutil
 
@@ -21,14 +35,16 @@ from trainguard._core.clock import Deadline
 __all__ = [
     "ProcLike",
     "describe_exit",
+    "descendants",
     "pid_alive",
     "spawn_context",
-    "terminate_pids",
     "terminate_processes",
-    "wait_any_sentinel",
 ]
 
 ProcLike = multiprocessing.process.BaseProcess | subprocess.Popen
+Target = ProcLike | int
+
+REAP_S = 5.0  # after SIGKILL: how long the final reap may take (seconds)
 
 
 def spawn_context() -> multiprocessing.context.SpawnContext:
@@ -56,92 +72,180 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def wait_any_sentinel(procs: Sequence[multiprocessing.process.BaseProcess], timeout_s: float):
-    """Block until one of ``procs`` exits or ``timeout_s`` passes; returns the exited ones."""
-    sentinels = {p.sentinel: p for p in procs}
-    ready = multiprocessing.connection.wait(list(sentinels), timeout=timeout_s)
-    return [sentinels[s] for s in ready]
+def _own_lineage() -> set[int]:
+    """This process and its ancestors: never signalled, even when found in a target's tree."""
+    me = psutil.Process()
+    out = {me.pid}
+    with contextlib.suppress(psutil.Error):
+        out.update(p.pid for p in me.parents())
+    return out
 
 
-def _signal(proc: ProcLike, sig: int) -> None:
-    try:
-        if isinstance(proc, subprocess.Popen):
-            if proc.poll() is None:
-                proc.send_signal(sig)
-        elif proc.pid is not None and proc.exitcode is None:
-            os.kill(proc.pid, sig)
-    except (ProcessLookupError, OSError):
-        pass
-
-
-def _alive(proc: ProcLike) -> bool:
-    if isinstance(proc, subprocess.Popen):
-        return proc.poll() is None
-    return proc.pid is not None and proc.exitcode is None and proc.is_alive()
-
-
-def _join(proc: ProcLike, timeout_s: float) -> None:
-    if isinstance(proc, subprocess.Popen):
+def descendants(pids: Iterable[int]) -> list[psutil.Process]:
+    """Every live descendant of ``pids`` (by parent pid, so setsid descendants are included),
+    excluding the calling process and its ancestors. Never raises for vanished pids."""
+    skip = _own_lineage()
+    out: dict[int, psutil.Process] = {}
+    for pid in pids:
         try:
-            proc.wait(timeout=max(timeout_s, 0.0))
-        except subprocess.TimeoutExpired:
-            pass
-    elif proc.pid is not None:
-        proc.join(max(timeout_s, 0.0))
+            children = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for child in children:
+            if child.pid not in skip:
+                out.setdefault(child.pid, child)
+    return list(out.values())
+
+
+class _Root:
+    """One target: its pid, our handle on it (if any) and a pidfd to wait on."""
+
+    def __init__(self, target: Target) -> None:
+        self.handle = None if isinstance(target, int) else target
+        self.pid: int | None = target if isinstance(target, int) else target.pid
+        self.pidfd: int | None = None
+        self.done = self.pid is None or not self._running()  # pid kept: its group may live on
+        if self.done:
+            return
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def _running(self) -> bool:
+        h = self.handle
+        if isinstance(h, subprocess.Popen):
+            return h.poll() is None
+        if h is not None:
+            return h.exitcode is None
+        return psutil.pid_exists(self.pid or 0)  # a zombie still needs its reap
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        if self.pid is None:
+            return
+        if group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, sig)  # only meaningful when it leads its group
+        if self._exited():
+            return  # exited (maybe unreaped): its pid is not ours to signal any more
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, sig)
+
+    def _exited(self) -> bool:
+        if self.pid is None or self.done:
+            return True
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        return not self._running()
+
+    def reap(self, timeout_s: float) -> bool:
+        """Collect the exit status if the target is our child; True once it is gone."""
+        h = self.handle
+        if self.pid is None or self.done:
+            return True
+        if isinstance(h, subprocess.Popen):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                h.wait(timeout=max(timeout_s, 0.0))
+            return h.poll() is not None
+        if h is not None:
+            h.join(max(timeout_s, 0.0))
+            return h.exitcode is not None
+        if not _wait_fds([self.pidfd] if self.pidfd is not None else [], timeout_s):
+            return not pid_alive(self.pid)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(self.pid, os.WNOHANG)
+        return True
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _wait_fds(fds: list[int], timeout_s: float) -> bool:
+    """Block until every pidfd in ``fds`` is readable (its process exited) or the timeout."""
+    deadline = Deadline(timeout_s)
+    pending = list(fds)
+    while pending:
+        ready, _, _ = select.select(pending, [], [], deadline.remaining())
+        pending = [fd for fd in pending if fd not in ready]
+        if pending and deadline.expired():
+            return False
+    return True
+
+
+def _wait_gone(procs: list[psutil.Process], deadline: Deadline) -> list[int]:
+    """Wait for killed descendants to vanish (reaping those adopted by us); returns survivors."""
+    def alive() -> list[psutil.Process]:
+        out = []
+        for p in procs:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(p.pid, os.WNOHANG)  # ours when we are their subreaper
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
+    left = alive()
+    while left and not deadline.expired():
+        time.sleep(deadline.chunk(0.01))  # not our children: no handle to wait on
+        left = alive()
+    return [p.pid for p in left]
+
+
+def _wait_roots(roots: list[_Root], deadline: Deadline) -> None:
+    fds = [r.pidfd for r in roots if r.pidfd is not None]
+    _wait_fds(fds, deadline.remaining())
+    for r in roots:  # no pidfd (old kernel): the handle's own bounded wait
+        if r.pidfd is None and r.pid is not None and not deadline.expired():
+            r.reap(deadline.remaining())
 
 
 def terminate_processes(
-    procs: Iterable[ProcLike], grace_s: float = 5.0, first_signal: int = signal.SIGTERM
-) -> None:
-    """Stop every process: ``first_signal``, wait up to ``grace_s``, SIGKILL survivors, reap.
+    targets: Iterable[Target | None],
+    grace_s: float = 5.0,
+    first_signal: int = signal.SIGTERM,
+    *,
+    groups: bool = False,
+    tree: bool = True,
+) -> list[int]:
+    """Stop every target and its process tree; see the module docstring for the steps.
 
-    Stopped (SIGSTOP) processes are sent SIGCONT first so they can act on SIGTERM.
-    Blocks at most ``grace_s`` + 5 s. Safe on processes that already exited or never started.
+    Args:
+        targets: ``multiprocessing`` processes, ``Popen`` objects or pids (``None`` and processes
+            that never started or already exited are skipped).
+        grace_s: seconds the main processes get to act on ``first_signal`` before SIGKILL.
+        first_signal: the polite signal (SIGKILL skips the grace period).
+        groups: also signal each target's process group (targets that lead their own group;
+            reaches grandchildren orphaned before the call).
+        tree: also SIGKILL the targets' descendants at the end.
+
+    Returns:
+        pids still alive after SIGKILL (normally empty).
+
+    Blocks at most ``grace_s`` + :data:`REAP_S` seconds. Safe on processes that already exited;
+    the calling process and its ancestors are never signalled.
     """
-    procs = [p for p in procs if p is not None]
-    for p in procs:
-        _signal(p, signal.SIGCONT)
-        _signal(p, first_signal)
-    deadline = Deadline(grace_s)
-    for p in procs:
-        _join(p, deadline.remaining())
-    for p in procs:
-        if _alive(p):
-            _signal(p, signal.SIGKILL)
-    reap = Deadline(5.0)
-    for p in procs:
-        _join(p, reap.remaining())
-
-
-def terminate_pids(pids: Iterable[int], grace_s: float = 5.0) -> list[int]:
-    """Like :func:`terminate_processes` for bare pids (not necessarily our children).
-
-    Returns the pids still alive after SIGKILL (normally empty).
-    """
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue
-    for p in procs:
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=5.0)
-    return [p.pid for p in alive]
-
-
-def sleep_precise(duration_s: float) -> None:
-    """Sleep on the monotonic clock (used by fault injection and benchmarks)."""
-    end = time.monotonic() + duration_s
-    while (left := end - time.monotonic()) > 0:
-        time.sleep(left)
+    roots = [_Root(t) for t in targets if t is not None]
+    live = [r for r in roots if r.pid is not None and (groups or not r.done)]
+    polite = Deadline(0.0 if first_signal == signal.SIGKILL else max(grace_s, 0.0))
+    end = Deadline(polite.timeout_s + REAP_S)
+    seen = {p.pid: p for p in descendants(r.pid for r in live if not r.done)} if tree else {}
+    try:
+        for r in live:
+            r.signal(signal.SIGCONT, groups)
+            r.signal(first_signal, groups)
+        _wait_roots(live, polite)
+        if tree:
+            for p in descendants(r.pid for r in live if not r.done):
+                seen.setdefault(p.pid, p)
+        for r in live:
+            r.signal(signal.SIGKILL, groups)
+        for p in seen.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks the creation time: a reused pid is never hit
+        survivors = [r.pid for r in live if r.pid and not r.reap(end.remaining())]
+        return survivors + _wait_gone(list(seen.values()), end)
+    finally:
+        for r in roots:
+            r.close()

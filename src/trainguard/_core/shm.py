@@ -1,4 +1,5 @@
-"""Named POSIX shared-memory segments with explicit ownership, and growable writer slots.
+"""Shared memory, one mechanism: named POSIX segments with explicit ownership, growable writer
+slots, and unnamed (``memfd``) segments handed to a peer as a file descriptor.
 
 Every trainguard segment name starts with ``tg_`` (the test leak checker looks for
 ``/dev/shm/tg_*``). Only the creating :class:`ShmSegment` (the *owner*) unlinks; attaching never
@@ -24,6 +25,8 @@ import time
 
 __all__ = [
     "SHM_DIR",
+    "map_fd",
+    "memfd_segment",
     "SHM_PREFIX",
     "ShmAllocationError",
     "ShmSegment",
@@ -264,3 +267,37 @@ def _pid_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def memfd_segment(tag: str, size: int) -> tuple[int, mmap.mmap]:
+    """An unnamed shared segment of ``size`` bytes: ``(fd, mapping)``, both owned by the caller.
+
+    Backed by ``memfd_create`` (close-on-exec): there is no ``/dev/shm`` name to leak or to be
+    unlinked by others; a peer gets it as a descriptor (``socket.send_fds``, ``pass_fds``) and
+    maps it with :func:`map_fd`. The memory is freed when the last descriptor and mapping go,
+    also after a crash. Space is reserved up front as for :class:`ShmSegment`.
+
+    Raises:
+        ShmAllocationError: the space cannot be reserved.
+    """
+    if size <= 0:
+        raise ValueError(f"segment size must be > 0 bytes, got {size}")
+    fd = os.memfd_create(tag, os.MFD_CLOEXEC)
+    try:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            free, total = shm_space()
+            raise ShmAllocationError(tag, size, free, total, os.strerror(exc.errno or 0)) from exc
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_fd(fd: int) -> mmap.mmap:
+    """Map a segment received as a descriptor (whole size, read-write); closes ``fd``."""
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)

@@ -22,7 +22,7 @@ from rich.live import Live
 
 from trainguard._core.clock import Deadline
 from trainguard._core.net import free_port
-from trainguard._core.procs import describe_exit, terminate_pids, terminate_processes
+from trainguard._core.procs import describe_exit, terminate_processes
 from trainguard._demo._config import DemoConfig
 from trainguard._demo._events import EventTail
 from trainguard._demo._progress import RunView
@@ -123,7 +123,7 @@ def _reap_helpers(helpers: dict[int, float]) -> list[int]:
     while (left := alive()) and not deadline.expired():
         time.sleep(0.1)
     if left:
-        terminate_pids(left, grace_s=2.0)
+        terminate_processes(left, grace_s=2.0)
     return left
 
 

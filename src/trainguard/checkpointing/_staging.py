@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from trainguard._core.shm import map_fd, memfd_segment
 from trainguard.checkpointing.errors import StateDictError
 
 __all__ = ["Arena", "TensorRef", "TensorSlot", "flatten", "pickle_skeleton", "rebuild", "stage"]
@@ -139,13 +140,9 @@ class Arena:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(int(capacity), mmap.PAGESIZE)
         self.name = f"tg_ckpt_{os.getpid()}_{uuid.uuid4().hex[:10]}"
-        self.fd: int | None = os.memfd_create(self.name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.capacity)
-            self._mm: mmap.mmap | None = mmap.mmap(self.fd, self.capacity)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        fd, mm = memfd_segment(self.name, self.capacity)
+        self.fd: int | None = fd
+        self._mm: mmap.mmap | None = mm
         self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.buf.zero_()  # first touch now, not during the save
         self.pinned = False
@@ -191,10 +188,7 @@ def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], aren
 
 def open_mapping(fd: int) -> mmap.mmap:
     """Map an arena received as a file descriptor from the trainer (writer side); closes fd."""
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+    return map_fd(fd)
 
 
 def rebuild(skeleton_bytes: bytes, mm: mmap.mmap, slots: list[TensorSlot]) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import select
@@ -27,11 +26,15 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
+from trainguard._core.procs import terminate_processes
 from trainguard._core.store import reentrant_barrier, wait_key
 from trainguard.inprocess import _coord as co
 from trainguard.inprocess._watchdog import Phase, ProgressBlock
 
 __all__ = ["MonitorConfig", "MonitorProcess"]
+
+_MSG = 1  # frame kind of every command and status message (_core.ipc messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,12 @@ class MonitorProcess:
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the child reports ready (store hosted); raises RuntimeError otherwise."""
         ready, _, _ = select.select([self._status_r], [], [], timeout_s)
-        line = os.read(self._status_r, 4096).decode() if ready else ""
+        line = ""
+        if ready:
+            try:
+                line = str(decode_msg(FrameReader(self._status_r, 256).recv()[1])[0].get("op"))
+            except (EOFError, OSError, FrameError):
+                line = "exited before reporting ready"
         if not line.startswith("ready"):
             self.stop(1.0)
             raise RuntimeError(
@@ -88,7 +96,7 @@ class MonitorProcess:
 
     def send(self, **msg) -> None:
         try:
-            os.write(self._cmd_w, (json.dumps(msg) + "\n").encode())
+            send_msg(self._cmd_w, _MSG, msg)
         except OSError:  # child already gone
             pass
 
@@ -101,16 +109,8 @@ class MonitorProcess:
         while time.monotonic() < end and not self._try_reap():
             time.sleep(0.005)
         if not self._reaped:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.kill(self.pid, sig)
-                except ProcessLookupError:
-                    pass
-                wait_end = time.monotonic() + 2.0
-                while time.monotonic() < wait_end and not self._try_reap():
-                    time.sleep(0.005)
-                if self._reaped:
-                    break
+            terminate_processes([self.pid], grace_s=2.0)
+            self._reaped = True
         for fd in (self._cmd_w, self._status_r):
             try:
                 os.close(fd)
@@ -189,7 +189,7 @@ class _Monitor:
         self.pidfd = _pidfd(trainer_pid)
         self.store: dist.Store | None = None
         self.keys: co.Keys | None = None
-        self.buf = b""
+        self.reader = FrameReader(cmd_r, 1024)
         self.stopping = False
         self.next_hb = 0.0
         self.died = False
@@ -201,7 +201,7 @@ class _Monitor:
                 fh.write(f"{os.getpid()}\n")
         if self.cfg.host is not None:
             self.store = co.default_store(self.cfg.host, is_master=True)
-        os.write(self.status_w, b"ready\n")
+        send_msg(self.status_w, _MSG, {"op": "ready"})
         if not self._wait_start():
             return
         tick = min(self.cfg.interval_s, self.cfg.heartbeat_interval_s)
@@ -236,13 +236,11 @@ class _Monitor:
 
     def _read_cmds(self) -> bool:
         """Handle pending commands; False on EOF (the trainer closed the pipe or died)."""
-        data = os.read(self.cmd_r, 65536)
-        if not data:
-            return False
-        self.buf += data
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            msg = json.loads(line)
+        while select.select([self.cmd_r], [], [], 0)[0]:
+            try:
+                msg, _ = decode_msg(self.reader.recv()[1])
+            except (EOFError, FrameError):
+                return False
             if msg["op"] == "start":
                 self.keys = co.Keys(int(msg["call"]))
             elif msg["op"] == "stop":
@@ -271,23 +269,8 @@ class _Monitor:
     def _hard_timeout(self, age: float) -> None:
         self.log.info("hard timeout: no progress for %.3f s; killing pid %d", age, self.trainer)
         self._depart(co.Cause.HARD_TIMEOUT, f"no progress for {age:.3f} s; killed", age)
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            _kill(self.trainer, sig)
-        if not self._wait_exit(self.cfg.grace_s):
-            _kill(self.trainer, signal.SIGKILL)
-            self._wait_exit(5.0)
+        terminate_processes([self.trainer], grace_s=self.cfg.grace_s)  # this monitor is spared
         self._finish_death()
-
-    def _wait_exit(self, timeout_s: float) -> bool:
-        if self.pidfd is not None:
-            ready, _, _ = select.select([self.pidfd], [], [], timeout_s)
-            return bool(ready)
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if os.getppid() != self.trainer:
-                return True
-            time.sleep(0.01)
-        return False
 
     # -- store actions ---------------------------------------------------------------------
     def _record(self, cause: co.Cause, it: int, message: str, age: float = 0.0) -> None:
@@ -406,10 +389,3 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

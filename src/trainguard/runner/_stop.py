@@ -1,9 +1,10 @@
 """Rank process helpers; ending ranks: cooperative exit, then SIGTERM -> grace -> SIGKILL of groups.
 
 Each rank leads its own process group (pgid == its pid), so signalling the group also reaches
-grandchildren (DataLoader workers, helpers). Ranks are reaped only at the very end, through
-``_core.procs``: until then an exited rank is a zombie, its pid cannot be reused, and signalling
-its group cannot hit an unrelated process.
+grandchildren (DataLoader workers, helpers); ``_core.procs.terminate_processes`` also kills the
+ranks' descendants that left the group. Ranks are reaped only at the very end, inside that call:
+until then an exited rank is a zombie, its pid cannot be reused, and signalling its group cannot
+hit an unrelated process.
 """
 
 from __future__ import annotations
@@ -36,16 +37,6 @@ def _wait_exited(procs: Sequence[Any], timeout_s: float) -> None:
             waiting.pop(sentinel, None)
 
 
-def _signal_groups(procs: Sequence[Any], sig: int) -> None:
-    for proc in procs:
-        if proc.pid is None:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(proc.pid, sig)  # before setpgid() the rank is still in our group
-
-
 def stop_ranks(procs: Sequence[Any], inboxes: Sequence[int], grace_s: float = 10.0) -> None:
     """Stop and reap every rank; blocks at most ``grace_s`` + ~12 s.
 
@@ -60,11 +51,8 @@ def stop_ranks(procs: Sequence[Any], inboxes: Sequence[int], grace_s: float = 10
             with contextlib.suppress(OSError):
                 send_frame(fd, SHUTDOWN)
         _wait_exited(procs, grace_s)
-    _signal_groups(procs, signal.SIGCONT)  # a SIGSTOPped rank must be able to act on SIGTERM
-    _signal_groups(procs, signal.SIGTERM)
-    _wait_exited(procs, _TERM_GRACE_S)
-    _signal_groups(procs, signal.SIGKILL)  # survivors and grandchildren
-    terminate_processes([p for p in procs if p.pid is not None], grace_s=1.0)
+    # SIGCONT + SIGTERM to each rank and its group, grace, SIGKILL of groups and trees, reap
+    terminate_processes([p for p in procs if p.pid is not None], _TERM_GRACE_S, groups=True)
 
 
 def exit_status(proc: Any) -> int | None:

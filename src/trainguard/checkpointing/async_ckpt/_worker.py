@@ -2,7 +2,8 @@
 
 Loop: receive a JSON request header plus the pickled skeleton, map the staging arena, write the
 file(s) atomically (tmp -> fsync -> rename -> dir fsync) with xxh3 checksums, reply with a JSON
-record. Errors are replied as JSON records (errno, file, message), never as pickles. The worker
+record. Errors are replied as JSON records (errno, file, message), never as pickles. Requests and
+replies are ``_core.ipc`` messages (kind 1) on the socket the trainer passed as a descriptor. The worker
 exits when asked, when its pipe closes, or when its parent dies.
 
 Fault injection (test seam): a request may carry ``fault`` = {"phase", "action", "errno"}; phases
@@ -13,16 +14,19 @@ are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` c
 from __future__ import annotations
 
 import errno as errno_mod
-import json
 import os
 import pickle
+import select
 import signal
 import time
 from contextlib import contextmanager
 from typing import Any
 
+from trainguard._core.ipc import FrameReader, decode_msg, send_msg
+
 __all__ = ["worker_main"]
 
+_MSG = 1  # the one frame kind on the writer socket (see _writer.py)
 _OS_CALLS = {"write": "write", "fsync": "fsync", "replace": "replace"}
 
 
@@ -105,11 +109,12 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]
 
 
 class _Worker:
-    def __init__(self, conn, parent_pid: int) -> None:
+    def __init__(self, fd: int, parent_pid: int) -> None:
         import socket
 
-        self.conn, self.parent_pid = conn, parent_pid
-        self.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self.fd, self.parent_pid = fd, parent_pid
+        self.reader = FrameReader(fd)
+        self.sock = socket.socket(fileno=os.dup(fd))
         self.maps: dict[str, Any] = {}
         self.storages: dict[str, Any] = {}
 
@@ -182,22 +187,20 @@ class _Worker:
         reply["write_s"] = time.monotonic() - t0
         reply["has_extra"] = extra is not None
         try:
-            self.conn.send_bytes(json.dumps(reply).encode())
-            if extra is not None:
-                self.conn.send_bytes(extra)
+            send_msg(self.fd, _MSG, reply, extra or b"")
         except OSError:  # the trainer is gone (crash or abort): nobody to report to
             return False
         return True
 
     def run(self) -> None:
         while True:
-            if not self.conn.poll(1.0):
+            if not select.select([self.fd], [], [], 1.0)[0]:
                 if os.getppid() != self.parent_pid:
                     return  # orphaned: the trainer died
                 continue
             try:
-                req = json.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
+                req, _ = decode_msg(self.reader.recv()[1])
+            except (EOFError, OSError, ValueError):
                 return
             if not self.handle(req):
                 return
@@ -213,7 +216,7 @@ def _fast_torch_save() -> None:
         pass
 
 
-def worker_main(conn, parent_pid: int, rank: int, nice: int = 0) -> None:
+def worker_main(fd: int, parent_pid: int, rank: int, nice: int = 0) -> None:
     """Entry point of the writer process (runs until told to exit or orphaned)."""
     os.environ["RANK"] = str(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
@@ -223,8 +226,8 @@ def worker_main(conn, parent_pid: int, rank: int, nice: int = 0) -> None:
         except OSError:
             pass
     _fast_torch_save()
-    worker = _Worker(conn, parent_pid)
-    conn.send_bytes(json.dumps({"ready": True, "pid": os.getpid()}).encode())
+    worker = _Worker(fd, parent_pid)
+    send_msg(fd, _MSG, {"ready": True, "pid": os.getpid()})
     try:
         worker.run()
     finally:
@@ -233,8 +236,7 @@ def worker_main(conn, parent_pid: int, rank: int, nice: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    import multiprocessing.connection
     import sys
 
-    worker_main(multiprocessing.connection.Connection(int(sys.argv[1])), int(sys.argv[2]),
+    worker_main(int(sys.argv[1]), int(sys.argv[2]),
                 int(sys.argv[3]), int(sys.argv[4]))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import multiprocessing.connection
 import os
+import select
 import socket
 import subprocess
 import sys
 from typing import Any
 
+from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.logging import get_logger
 from trainguard._core.procs import describe_exit, terminate_processes
 from trainguard.checkpointing._staging import Arena
@@ -17,6 +17,7 @@ from trainguard.checkpointing._staging import Arena
 __all__ = ["ArenaPool", "WriterDied", "WriterProcess"]
 
 _log = get_logger("trainguard.checkpointing")
+_MSG = 1  # the one frame kind on the writer socket: a _core.ipc message (JSON + payload)
 
 
 class WriterDied(Exception):
@@ -45,7 +46,8 @@ class WriterProcess:
         """Start the writer if it is not running (returns at once; the child imports torch).
 
         The writer is ``python -m ...async_ckpt._worker`` (a fresh interpreter like ``spawn``, but
-        without re-running the trainer's ``__main__``), talking over a socketpair.
+        without re-running the trainer's ``__main__``), talking ``_core.ipc`` messages over a
+        socketpair.
         """
         if self.alive():
             return
@@ -65,7 +67,7 @@ class WriterProcess:
         self.proc, self.ready = proc, False
         self.pidfd = os.pidfd_open(proc.pid)
         self.sock = parent
-        self.conn = multiprocessing.connection.Connection(os.dup(parent.fileno()))
+        self.conn = FrameReader(parent.fileno())
         self.sent_arenas: set[str] = set()
         self.starts += 1
         _log.debug("started checkpoint writer pid %d", proc.pid)
@@ -80,12 +82,10 @@ class WriterProcess:
         """Send one request (plus the arena's fd the first time). Raises WriterDied if broken."""
         try:
             new = arena is not None and arena.name not in self.sent_arenas
-            self.conn.send_bytes(json.dumps({**header, "arena_fd": new}).encode())
+            send_msg(self.sock.fileno(), _MSG, {**header, "arena_fd": new}, payload or b"")
             if new:
                 socket.send_fds(self.sock, [b"F"], [arena.fd])
                 self.sent_arenas.add(arena.name)
-            if payload is not None:
-                self.conn.send_bytes(payload)
         except (OSError, ValueError, AttributeError) as exc:
             raise WriterDied(f"cannot reach {self.describe()}: {exc}") from exc
 
@@ -96,15 +96,14 @@ class WriterProcess:
         if conn is None or pidfd is None:
             raise WriterDied("writer not running (stopped or aborted)")
         try:
-            ready = multiprocessing.connection.wait([conn, pidfd], timeout_s)
-            if conn in ready:
-                reply = json.loads(conn.recv_bytes())
+            ready, _, _ = select.select([conn.fd, pidfd], [], [], timeout_s)
+            if conn.fd in ready:
+                reply, extra = decode_msg(conn.recv()[1])
                 if reply.get("ready"):
                     self.ready = True
                     return {"ready": True}, None
-                extra = conn.recv_bytes() if reply.get("has_extra") else None
-                return reply, extra
-        except (EOFError, OSError, ValueError) as exc:
+                return reply, (extra if reply.get("has_extra") else None)
+        except (EOFError, OSError, ValueError, FrameError) as exc:
             self._reap()
             raise WriterDied(f"{self.describe()} died (pipe closed)") from exc
         if pidfd in ready:
@@ -118,7 +117,7 @@ class WriterProcess:
             return
         if grace_s > 0 and self.alive():
             try:
-                self.conn.send_bytes(json.dumps({"op": "exit"}).encode())
+                send_msg(self.sock.fileno(), _MSG, {"op": "exit"})
                 self.proc.wait(grace_s)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
@@ -145,7 +144,6 @@ class WriterProcess:
 
     def _close_handles(self) -> None:
         if self.conn is not None:
-            self.conn.close()
             self.sock.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
