@@ -162,6 +162,10 @@ class _Root:
             self.pidfd = None
 
 
+def _pid_of(target: Target) -> int | None:
+    return target if isinstance(target, int) else target.pid
+
+
 def _wait_fds(fds: list[int], timeout_s: float) -> bool:
     """Block until every pidfd in ``fds`` is readable (its process exited) or the timeout."""
     deadline = Deadline(timeout_s)
@@ -226,7 +230,8 @@ def terminate_processes(
     Blocks at most ``grace_s`` + :data:`REAP_S` seconds. Safe on processes that already exited;
     the calling process and its ancestors are never signalled.
     """
-    roots = [_Root(t) for t in targets if t is not None]
+    mine = _own_lineage()
+    roots = [_Root(t) for t in targets if t is not None and _pid_of(t) not in mine]
     live = [r for r in roots if r.pid is not None and (groups or not r.done)]
     polite = Deadline(0.0 if first_signal == signal.SIGKILL else max(grace_s, 0.0))
     end = Deadline(polite.timeout_s + REAP_S)

@@ -1,0 +1,345 @@
+"""Command line of ``trainguard launch``: torch 2.13 torchrun flags, ``PET_*`` variables, ``--ft-*``.
+
+Precedence: command line > ``PET_<DEST>`` environment variable > default (as torchrun's
+``argparse_util.env``). Everything after the training script (or after ``--``) reaches the script
+verbatim: launcher flags are parsed only from the arguments before the script, so a script flag is
+never swallowed by prefix matching (torchrun and NVRx do; launcher-research.md A1).
+
+Follows: ``torch.distributed.run.get_args_parser`` (torch 2.13); differences: ``--ft-*`` options,
+the default rendezvous is a launcher-chosen free port, script arguments are never parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from trainguard.fault_tolerance.config import FaultToleranceConfig, load_yaml_section
+from trainguard.fault_tolerance.errors import LaunchConfigError
+
+__all__ = ["LaunchSpec", "build_parser", "parse_launch_args"]
+
+# torchrun flags: (option strings, dest, default, kind); kind: str | int | float | flag
+_TORCHRUN: list[tuple[tuple[str, ...], str, Any, str, str]] = [
+    (("--nnodes",), "nnodes", "1:1", "str", "number of nodes or MIN:MAX (only 1 node for now)"),
+    (("--nproc-per-node", "--nproc_per_node"), "nproc_per_node", "1", "str",
+     "workers per node: an integer, 'cpu', 'gpu' or 'auto'"),
+    (("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "static", "str", "rendezvous backend"),
+    (("--rdzv-endpoint", "--rdzv_endpoint"), "rdzv_endpoint", "", "str", "host:port of the store"),
+    (("--rdzv-id", "--rdzv_id"), "rdzv_id", "none", "str", "job id (TORCHELASTIC_RUN_ID)"),
+    (("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "", "str", "key=value,... (timeout in s)"),
+    (("--standalone",), "standalone", False, "flag", "single node, free local ports"),
+    (("--max-restarts", "--max_restarts"), "max_restarts", 0, "int",
+     "restart cycles of the whole job before giving up (global count)"),
+    (("--monitor-interval", "--monitor_interval"), "monitor_interval", 0.1, "float",
+     "seconds between worker-state checks"),
+    (("--start-method", "--start_method"), "start_method", "spawn", "str",
+     "accepted for compatibility; workers are forked from a torch-preloaded server or spawned"),
+    (("--event-log-handler", "--event_log_handler"), "event_log_handler", "null", "str",
+     "accepted for compatibility (ignored)"),
+    (("--role",), "role", "default", "str", "worker role name"),
+    (("-m", "--module"), "module", False, "flag", "run the script as a module (python -m)"),
+    (("--no-python", "--no_python"), "no_python", False, "flag", "exec the script directly"),
+    (("--run-path", "--run_path"), "run_path", False, "flag", "run with runpy.run_path"),
+    (("--log-dir", "--log_dir"), "log_dir", None, "str", "directory for per-cycle rank logs"),
+    (("-r", "--redirects"), "redirects", "0", "str",
+     "redirect worker streams to log files only: 0 none, 1 out, 2 err, 3 both; or 0:1,1:2"),
+    (("-t", "--tee"), "tee", "0", "str", "copy worker streams to log files and console"),
+    (("--local-ranks-filter", "--local_ranks_filter"), "local_ranks_filter", "", "str",
+     "comma-separated local ranks whose output reaches the console"),
+    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), "duplicate_stdout_filters",
+     "", "str", "accepted for compatibility (ignored)"),
+    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), "duplicate_stderr_filters",
+     "", "str", "accepted for compatibility (ignored)"),
+    (("--node-rank", "--node_rank"), "node_rank", 0, "int", "rank of this node"),
+    (("--master-addr", "--master_addr"), "master_addr", "127.0.0.1", "str", "MASTER_ADDR"),
+    (("--master-port", "--master_port"), "master_port", None, "int",
+     "MASTER_PORT (default: a free port reserved by the launcher, fresh every cycle)"),
+    (("--local-addr", "--local_addr"), "local_addr", None, "str", "address of this node"),
+    (("--logs-specs", "--logs_specs"), "logs_specs", None, "str",
+     "accepted for compatibility (ignored)"),
+    (("--numa-binding", "--numa_binding"), "numa_binding", None, "str",
+     "accepted for compatibility (ignored)"),
+    (("--signals-to-handle", "--signals_to_handle"), "signals_to_handle",
+     "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "str", "signals forwarded to the workers"),
+    (("--shutdown-timeout", "--shutdown_timeout"), "shutdown_timeout", None, "int",
+     "seconds between the forwarded signal and SIGKILL (default --ft-term-timeout)"),
+    (("--virtual-local-rank", "--virtual_local_rank"), "virtual_local_rank", False, "flag",
+     "set LOCAL_RANK=0 in every worker"),
+]
+
+# --ft-* options: (name, help). Values are parsed by FaultToleranceConfig.merged.
+_FT: list[tuple[str, str]] = [
+    ("workload_check_interval", "seconds between hang checks by each rank monitor (0.1)"),
+    ("initial_rank_heartbeat_timeout", "seconds from client init to the first heartbeat (900)"),
+    ("rank_heartbeat_timeout", "seconds between client heartbeats (600; none disables)"),
+    ("rank_section_timeouts", "name:seconds,... no progress in an open section for that long"),
+    ("rank_out_of_section_timeout", "seconds with no section open (none)"),
+    ("auto_heartbeat_timeout", "seconds the main thread may not run Python bytecode (600)"),
+    ("safety_factor", "automatic timeout = factor x longest observed (5)"),
+    ("rank_termination_signal", "signal sent to a hung rank before SIGKILL (SIGTERM)"),
+    ("rank_termination_grace", "seconds between that signal and SIGKILL (5)"),
+    ("workers_stop_timeout", "seconds workers get to exit when a cycle ends (15)"),
+    ("term_timeout", "seconds workers get after a forwarded SIGTERM/SIGINT (30)"),
+    ("forward_signals", "signals forwarded to each rank's main process (SIGTERM,SIGINT)"),
+    ("max_no_progress_cycles", "cycles without progress before exiting with the no-restart code"),
+    ("min_progress_iterations", "iterations a cycle must add to count as progress (1)"),
+    ("checkpoint_iteration_file", "file holding the latest checkpointed iteration"),
+    ("no_restart_exit_code", "exit code for verdicts a restart will not fix (93)"),
+    ("warm_restart", "fork workers from a torch-preloaded server (true)"),
+    ("preload", "modules the fork server imports besides torch (comma-separated)"),
+    ("attribution", "run trainguard.attribution on each failed cycle's log (true)"),
+    ("attrsvc_url", "post cycle logs to a running 'trainguard attrsvc' instead"),
+    ("attribution_stop_action", "log | no-restart: what a STOP verdict does (log)"),
+    ("pg_timeout", "process-group timeout of the workers, for the timeout-chain check (1800)"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """Everything ``trainguard launch`` was asked to do (validated)."""
+
+    nproc_per_node: int
+    max_restarts: int
+    monitor_interval_s: float
+    role: str
+    run_id: str
+    module: bool
+    no_python: bool
+    log_dir: str | None
+    redirects: dict[int, int]
+    tee: dict[int, int]
+    local_ranks_filter: frozenset[int] | None
+    node_rank: int
+    master_addr: str
+    master_port: int | None
+    virtual_local_rank: bool
+    rdzv_timeout_s: float | None
+    shutdown_timeout_s: float | None
+    script: str
+    script_args: tuple[str, ...]
+    ft: FaultToleranceConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard launch", allow_abbrev=True,
+        description="torchrun-compatible launcher with hang detection and fast in-job restart. "
+                    "Every torchrun flag is also read from PET_<FLAG> (CLI > env > default).",
+    )
+    for opts, dest, default, kind, help_ in _TORCHRUN:
+        if kind == "flag":
+            parser.add_argument(*opts, dest=dest, action="store_true", default=None, help=help_)
+        else:
+            parser.add_argument(*opts, dest=dest, default=None, help=f"{help_} (default {default})")
+    parser.add_argument("--ft-cfg-path", "--ft_cfg_path", dest="ft_cfg_path", default=None,
+                        help="YAML file with a 'fault_tolerance:' section (any depth)")
+    for name, help_ in _FT:
+        flag = name.replace("_", "-")
+        parser.add_argument(f"--ft-{flag}", f"--ft_{name}", dest=f"ft_{name}", default=None,
+                            help=help_)
+    return parser
+
+
+def _split(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """Split at the training script: launcher args before it, script args after (verbatim)."""
+    takes_value = {s for a in parser._actions for s in a.option_strings
+                   if a.nargs is None and not isinstance(a, argparse._StoreTrueAction)}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return list(argv[:i]), list(argv[i + 1 :])
+        if not arg.startswith("-") or arg == "-":
+            return list(argv[:i]), list(argv[i:])
+        if "=" not in arg and _expand(arg, takes_value, parser) in takes_value:
+            i += 1  # the value of this flag
+        i += 1
+    return list(argv), []
+
+
+def _expand(arg: str, takes_value: set[str], parser: argparse.ArgumentParser) -> str:
+    if arg in takes_value:
+        return arg
+    matches = [s for a in parser._actions for s in a.option_strings if s.startswith(arg)]
+    return matches[0] if len({_dest(parser, m) for m in matches}) == 1 else arg
+
+
+def _dest(parser: argparse.ArgumentParser, opt: str) -> str:
+    return next(a.dest for a in parser._actions if opt in a.option_strings)
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def parse_launch_args(argv: Sequence[str]) -> LaunchSpec:
+    """Parse and validate ``argv`` (without the program name).
+
+    Raises:
+        LaunchConfigError: unknown or invalid flags, a missing script or config file.
+        SystemExit: ``--help`` (exit 0).
+    """
+    parser = build_parser()
+    launcher_args, rest = _split(argv, parser)
+    ns, unknown = parser.parse_known_args(launcher_args)
+    if unknown:
+        raise LaunchConfigError(f"unknown launcher flag(s) {' '.join(unknown)}; see "
+                                "'trainguard launch --help' (script flags go after the script)")
+    if not rest:
+        raise LaunchConfigError("no training script given: trainguard launch [flags] script.py "
+                                "[script args]")
+    values = {dest: _resolve(ns, dest, default, kind)
+              for _, dest, default, kind, _ in _TORCHRUN}
+    ft = _ft_config(ns)
+    return _spec(values, rest[0], tuple(rest[1:]), ft)
+
+
+def _resolve(ns: argparse.Namespace, dest: str, default: Any, kind: str) -> Any:
+    raw = getattr(ns, dest)
+    if raw is None:
+        raw = os.environ.get(f"PET_{dest.upper()}")
+        if raw is None:
+            return default
+        if kind == "flag":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+    if kind == "flag":
+        return bool(raw)
+    try:
+        return {"int": int, "float": float}.get(kind, str)(raw)
+    except ValueError:
+        flag = "--" + dest.replace("_", "-")
+        raise LaunchConfigError(f"{flag}: {raw!r} is not a valid {kind}") from None
+
+
+def _ft_config(ns: argparse.Namespace) -> FaultToleranceConfig:
+    yaml_values = load_yaml_section(ns.ft_cfg_path) if ns.ft_cfg_path else {}
+    cli = {name: getattr(ns, f"ft_{name}") for name, _ in _FT}
+    return FaultToleranceConfig.merged(yaml_values, cli)
+
+
+def _nproc(raw: str) -> int:
+    text = str(raw).strip().lower()
+    if text in ("cpu", "auto", "gpu"):
+        if text != "cpu":
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    return torch.cuda.device_count()
+            except ImportError:
+                pass
+            if text == "gpu":
+                raise LaunchConfigError("--nproc-per-node gpu: no CUDA device is available")
+        return os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise LaunchConfigError(f"--nproc-per-node: {raw!r} must be an integer, 'cpu', 'gpu' "
+                                "or 'auto'") from None
+    if value < 1:
+        raise LaunchConfigError(f"--nproc-per-node must be >= 1, got {value}")
+    return value
+
+
+def _streams(flag: str, raw: str, nproc: int) -> dict[int, int]:
+    """torchrun's Std spec: '3' for all ranks or '0:1,1:2' per local rank."""
+    text = str(raw).strip()
+    try:
+        if ":" not in text:
+            value = int(text)
+            out = dict.fromkeys(range(nproc), value)
+        else:
+            out = {int(k): int(v) for k, v in (p.split(":") for p in text.split(","))}
+    except ValueError:
+        raise LaunchConfigError(f"{flag}: {raw!r} must be 0-3 or 'local_rank:0-3,...'") from None
+    if any(v not in (0, 1, 2, 3) for v in out.values()):
+        raise LaunchConfigError(f"{flag}: stream values are 0 none, 1 out, 2 err, 3 both")
+    return out
+
+
+def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultToleranceConfig
+          ) -> LaunchSpec:
+    nnodes = str(v["nnodes"])
+    if nnodes.split(":")[0] not in ("1",) or nnodes.split(":")[-1] not in ("1",):
+        raise LaunchConfigError(f"--nnodes {nnodes}: this version runs one node per job "
+                                "(multi-node comes later); use --nnodes 1")
+    nproc = _nproc(v["nproc_per_node"])
+    if v["max_restarts"] < 0:
+        raise LaunchConfigError(f"--max-restarts must be >= 0, got {v['max_restarts']}")
+    if v["monitor_interval"] <= 0:
+        raise LaunchConfigError(f"--monitor-interval must be > 0 seconds, got "
+                                f"{v['monitor_interval']}")
+    if not v["module"] and not v["no_python"] and not os.path.isfile(script):
+        raise LaunchConfigError(f"training script {script!r} not found (cwd {os.getcwd()}); "
+                                "use -m for a module")
+    master_port = v["master_port"]
+    rdzv_conf = _rdzv_conf(v["rdzv_conf"])
+    endpoint = str(v["rdzv_endpoint"] or "")
+    if endpoint and not v["standalone"]:
+        host, _, port = endpoint.rpartition(":")
+        master_port = _endpoint(host or endpoint, port, master_port)
+    filt = str(v["local_ranks_filter"]).strip()
+    try:
+        ranks = frozenset(int(r) for r in filt.split(",") if r.strip()) if filt else None
+    except ValueError:
+        raise LaunchConfigError(f"--local-ranks-filter: {filt!r} must be comma-separated "
+                                "integers") from None
+    shutdown = v["shutdown_timeout"]
+    run_id = str(v["rdzv_id"])
+    return LaunchSpec(
+        nproc_per_node=nproc, max_restarts=int(v["max_restarts"]),
+        monitor_interval_s=float(v["monitor_interval"]), role=str(v["role"]),
+        run_id=run_id if run_id != "none" else f"tg{os.getpid()}", module=bool(v["module"]),
+        no_python=bool(v["no_python"]), log_dir=v["log_dir"],
+        redirects=_streams("--redirects", v["redirects"], nproc),
+        tee=_streams("--tee", v["tee"], nproc), local_ranks_filter=ranks,
+        node_rank=int(v["node_rank"]), master_addr=str(v["master_addr"]),
+        master_port=master_port, virtual_local_rank=bool(v["virtual_local_rank"]),
+        rdzv_timeout_s=rdzv_conf.get("timeout"),
+        shutdown_timeout_s=float(shutdown) if shutdown is not None else None,
+        script=script, script_args=args, ft=ft)
+
+
+def _rdzv_conf(raw: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in str(raw or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise LaunchConfigError(f"--rdzv-conf: {part!r} must be key=value")
+        if key.strip() in ("timeout", "join_timeout", "last_call_timeout", "close_timeout"):
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                raise LaunchConfigError(f"--rdzv-conf {key}: {value!r} is not seconds") from None
+    return out
+
+
+def _endpoint(host: str, port: str, master_port: int | None) -> int | None:
+    """A single-node endpoint must be local: its port becomes MASTER_PORT (0 = pick one)."""
+    import socket
+
+    try:
+        port_n = int(port) if port else 29400
+    except ValueError:
+        raise LaunchConfigError(f"--rdzv-endpoint: port {port!r} is not a number") from None
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError as exc:
+        raise LaunchConfigError(f"--rdzv-endpoint: cannot resolve {host!r} ({exc}); check the "
+                                "host name") from None
+    local = {"127.0.0.1", "::1", "0.0.0.0"}
+    try:
+        local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        pass
+    if not any(i[4][0] in local or i[4][0].startswith("127.") for i in infos):
+        raise LaunchConfigError(f"--rdzv-endpoint {host}:{port}: not an address of this machine; "
+                                "a single-node job hosts its own store (use --standalone)")
+    return master_port if port_n == 0 else (master_port or port_n)
