@@ -43,8 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["launch"]:  # parsed by the launcher itself: script flags stay verbatim
+        from trainguard.fault_tolerance.launcher import main as launch_main
+
+        return launch_main(args_in[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -131,12 +131,13 @@ class Launcher:
         os.makedirs(self.run_dir, exist_ok=True)
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        prefix = unique_prefix("ft")
         r, self._sweeper_w = os.pipe()
         self._sweeper = subprocess.Popen(
             [sys.executable, "-m", "trainguard.fault_tolerance._sweeper", self.launch_id,
-             str(r)], pass_fds=(r,), start_new_session=True, stdin=subprocess.DEVNULL)
+             str(r), prefix, self.socket_path(0)[:-len("0.sock")]], pass_fds=(r,),
+            start_new_session=True, stdin=subprocess.DEVNULL)
         os.close(r)
-        prefix = unique_prefix("ft")
         self.slots = [Slot(f"{prefix}{i}", create=True) for i in range(self.spec.nproc_per_node)]
         if self.spec.ft.warm_restart and not self.spec.no_python:
             self.server = ForkServer(self.spec.ft.preload, self.infra_env())
@@ -231,7 +232,8 @@ class Launcher:
         if self.current is not None:
             w = self.current[i]
             if w.exitcode is None:
-                new.send({"op": "cycle", "pid": w.pid, "start_ns": w.started_ns})
+                new.send({"op": "cycle", "cycle": len(self.results), "pid": w.pid,
+                          "start_ns": w.started_ns})
 
     current: list[Worker] | None = None
 
@@ -357,7 +359,7 @@ class Launcher:
             res.warm = all(w.warm for w in workers)
             self.current = workers
             for m, w in zip(self.monitors, workers):
-                m.send({"op": "cycle", "pid": w.pid, "start_ns": w.started_ns})
+                m.send({"op": "cycle", "cycle": cycle, "pid": w.pid, "start_ns": w.started_ns})
             _log.info("cycle %d: started %d worker(s) (%s), MASTER_PORT=%d", cycle, len(workers),
                       "warm fork" if res.warm else "cold spawn", port)
             _cycle.watch_cycle(self, res, workers)

@@ -252,7 +252,9 @@ class RankMonitorClient:
                 _log.warning("heartbeat timeouts not calculated: a rank has < 2 heartbeats")
             return False
         factor = float(self.timeouts.get("safety_factor", 5.0))
-        hb = {"initial": factor * vals[0], "subsequent": factor * vals[1]}
+        # the initial timeout never undercuts the subsequent one (a first heartbeat sent right
+        # after init would otherwise give a near-zero startup timeout)
+        hb = {"initial": factor * max(vals[0], vals[1]), "subsequent": factor * vals[1]}
         old = self._calculated("heartbeat")
         if old and old.get("were_calculated"):
             hb = {k: 0.5 * (hb[k] + float(old[k])) for k in hb}
@@ -272,7 +274,7 @@ class RankMonitorClient:
         vals = [self._sec_max.get(n, 0) / 1e9 for n in names]
         vals += [self._oos_max / 1e9, 0.0 if all(v > 0 for v in vals) else 1.0]
         red = _allreduce_max(vals)
-        if red[-1] > 0:
+        if red[-1] > 0 or (not names and (not calc_out_of_section or red[-2] <= 0)):
             if not skip_if_not_ready:
                 _log.warning("section timeouts not calculated: a section was never completed")
             return False

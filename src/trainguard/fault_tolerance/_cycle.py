@@ -85,6 +85,7 @@ def _on_exit(launcher: Launcher, res: CycleResult, worker: Worker, status: int) 
         return
     worker.exitcode, worker.exit_ns = status, time.monotonic_ns()
     res.exits[worker.rank] = status
+    launcher.monitors[worker.local_rank].send({"op": "idle"})  # nothing left to watch
     if status == 0 or res.outcome is not Outcome.RUNNING:
         return
     detail = describe_exit(status)
@@ -99,6 +100,8 @@ def _on_exit(launcher: Launcher, res: CycleResult, worker: Worker, status: int) 
 
 def _on_monitor(launcher: Launcher, res: CycleResult, msg: dict[str, Any]) -> None:
     op = msg.get("op")
+    if op == "hang" and int(msg.get("cycle", res.cycle)) != res.cycle:
+        return  # late report about an earlier cycle's worker
     if op == "hang":
         detected = int(msg.get("detected_ns", time.monotonic_ns()))
         launcher.hang_events.append((res.cycle, int(msg["rank"]), detected, msg))

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
-from trainguard._core.procs import terminate_processes
+from trainguard._core.procs import pid_alive, terminate_processes
 from trainguard.fault_tolerance._bootstrap import set_pdeathsig
 from trainguard.fault_tolerance._slot import Slot, W
 from trainguard.fault_tolerance.config import FaultToleranceConfig, signal_number
@@ -83,6 +83,8 @@ class Monitor:
         self.clients: dict[int, tuple[socket.socket, FrameReader]] = {}
         self.pid = 0
         self.start_ns = 0
+        self.cycle = 0
+        self.client_done = False
         self.active = False
         self.running = True
 
@@ -118,6 +120,8 @@ class Monitor:
         op = msg.get("op")
         if op == "cycle":
             self.pid, self.start_ns, self.active = int(msg["pid"]), int(msg["start_ns"]), True
+            self.cycle = int(msg.get("cycle", 0))
+            self.client_done = False
         elif op == "idle":
             self.active = False
         elif op == "timeouts":
@@ -144,7 +148,9 @@ class Monitor:
         elif op == "control":
             self.tell({"op": "control", "rank": self.rank, "action": msg.get("action"),
                        "description": msg.get("description", "")})
-        elif op != "shutdown":
+        elif op == "shutdown":
+            self.client_done = True  # client timeouts off until the next cycle
+        else:
             reply = {"error": f"unknown request {op!r}"}
         try:
             send_msg(fd, MSG, reply)
@@ -167,6 +173,8 @@ class Monitor:
                 return ("auto_heartbeat", f"main thread ran no Python code for {age:.2f} s",
                         cfg.auto_heartbeat_timeout)
         init = s.get(W.INIT)
+        if self.client_done:
+            return None
         if not init:
             if cfg.client_timeouts_explicit() and self.t.initial is not None:
                 age = (now - self.start_ns) / _NS
@@ -203,7 +211,10 @@ class Monitor:
     def _fire(self, kind: str, reason: str, timeout_s: float) -> None:
         self.active = False
         pid = self.pid
-        self.tell({"op": "hang", "rank": self.rank, "kind": kind, "reason": reason,
+        if not pid_alive(pid):
+            return  # the rank already exited: its launcher reports that, not a hang
+        self.tell({"op": "hang", "rank": self.rank, "cycle": self.cycle, "kind": kind,
+                   "reason": reason,
                    "timeout_s": timeout_s, "detected_ns": time.monotonic_ns()})
         stacks = self.slot.get(W.STACKS_SIG)
         try:

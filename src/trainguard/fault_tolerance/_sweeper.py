@@ -5,7 +5,8 @@ read end of a pipe whose only write end the launcher holds. When the launcher ex
 (SIGKILL included) the pipe reads EOF, and the sweeper SIGKILLs every process whose environment
 carries the job's marker ``TRAINGUARD_LAUNCH_ID=<id>`` - workers, monitors, the fork server and
 descendants that called ``setsid`` or double-forked (they keep the environment) - repeating for a
-short while to catch processes forked meanwhile, then exits. ``PR_SET_PDEATHSIG`` kills direct
+short while to catch processes forked meanwhile, removes the job's shared-memory slots and monitor
+sockets, then exits. ``PR_SET_PDEATHSIG`` kills direct
 children at once; this covers the rest within ~0.1 s (launcher-research.md A8).
 """
 
@@ -56,8 +57,28 @@ def sweep(launch_id: str, duration_s: float = 0.3) -> list[int]:
         time.sleep(0.02)
 
 
+def _remove_files(shm_prefix: str, socket_prefix: str) -> None:
+    """The job's shared-memory slots and monitor sockets (the launcher could not remove them)."""
+    from trainguard._core.shm import sweep_prefix
+
+    if shm_prefix:
+        sweep_prefix(shm_prefix)
+    if socket_prefix:
+        folder, base = os.path.split(socket_prefix)
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith(base)]
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
 def main() -> None:
     launch_id, fd = sys.argv[1], int(sys.argv[2])
+    shm_prefix, socket_prefix = (sys.argv[3], sys.argv[4]) if len(sys.argv) > 4 else ("", "")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -70,6 +91,7 @@ def main() -> None:
         except OSError:
             break
     sweep(launch_id)
+    _remove_files(shm_prefix, socket_prefix)
 
 
 if __name__ == "__main__":

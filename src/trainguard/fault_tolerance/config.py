@@ -263,8 +263,7 @@ def check_timeout_chain(cfg: FaultToleranceConfig, rdzv_timeout_s: float | None 
     Checked: the check interval is well below every timeout; hang timeouts fire before the
     process-group timeout (otherwise a hang surfaces as a peer's collective error and the root
     cause is mis-attributed); the initial heartbeat timeout is not shorter than the subsequent
-    one; the per-rank grace and the worker-stop grace fit within the hang timeouts; the
-    rendezvous timeout covers a restart (worker-stop grace).
+    one; the rendezvous timeout covers a restart (worker-stop grace); some hang timeout is on.
     """
     out: list[str] = []
     hang = {
@@ -288,10 +287,6 @@ def check_timeout_chain(cfg: FaultToleranceConfig, rdzv_timeout_s: float | None 
         out.append(f"initial_rank_heartbeat_timeout ({cfg.initial_rank_heartbeat_timeout:g} s) < "
                    f"rank_heartbeat_timeout ({cfg.rank_heartbeat_timeout:g} s): startup is "
                    "slower than a step; raise --ft-initial-rank-heartbeat-timeout")
-    shortest = min(active.values(), default=None)
-    if shortest is not None and cfg.rank_termination_grace >= shortest:
-        out.append(f"rank_termination_grace ({cfg.rank_termination_grace:g} s) >= the shortest "
-                   f"hang timeout ({shortest:g} s): lower --ft-rank-termination-grace")
     if rdzv_timeout_s is not None and rdzv_timeout_s <= cfg.workers_stop_timeout:
         out.append(f"rendezvous timeout ({rdzv_timeout_s:g} s) <= workers_stop_timeout "
                    f"({cfg.workers_stop_timeout:g} s): a restart could outlast the rendezvous; "
