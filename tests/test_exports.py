@@ -11,6 +11,7 @@ SUBPACKAGES = [
     "trainguard.attribution",
     "trainguard.runner",
     "trainguard.testing",
+    "trainguard.fault_tolerance",
 ]
 
 
@@ -31,3 +32,16 @@ def test_inprocess_contract_names():
               "RestartAbort", "RankShouldRestart"):
         assert n in inprocess.__all__, n
     assert [m.name for m in inprocess.Mode] == ["INITIALIZED", "ACTIVE", "INACTIVE", "TERMINATED"]
+
+
+def test_fault_tolerance_contract_names():
+    ft = importlib.import_module("trainguard.fault_tolerance")
+    for n in ("RankMonitorClient", "WorkloadControlRequest", "WorkloadAction",
+              "FaultToleranceConfig", "LauncherError"):
+        assert n in ft.__all__, n
+    client = ft.RankMonitorClient
+    for m in ("init_workload_monitoring", "send_heartbeat", "start_section", "end_section",
+              "end_all_sections", "section", "progress", "calculate_and_set_hb_timeouts",
+              "calculate_and_set_section_timeouts", "state_dict", "load_state_dict",
+              "send_workload_control_request", "shutdown_workload_monitoring"):
+        assert callable(getattr(client, m)), m

@@ -111,6 +111,15 @@ class Launcher:
     def error_file(self, cycle: int, local_rank: int) -> str:
         return os.path.join(self.run_dir, f"attempt_{cycle}", str(local_rank), "error.json")
 
+    def event(self, name: str, **fields: Any) -> None:
+        """Append one record to ``<run_dir>/launcher_events.jsonl`` (wall-clock ``wall``)."""
+        rec = {"event": name, "wall": time.time(), **fields}
+        try:
+            with open(os.path.join(self.run_dir, "launcher_events.jsonl"), "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        except OSError as exc:
+            _log.debug("cannot record event %s: %s", name, exc)
+
     def infra_env(self) -> dict[str, str]:
         return {**os.environ, ENV_MARKER: self.launch_id}
 
@@ -356,6 +365,8 @@ class Launcher:
             for lr in range(self.spec.nproc_per_node):
                 workers.append(self._spawn(cycle, lr, port))
             self.spawn_times.append({"cycle": cycle, "spawn_s": time.monotonic() - t0})
+            for w in workers:
+                self.event("spawned", cycle=cycle, rank=w.rank, pid=w.pid, warm=w.warm)
             res.warm = all(w.warm for w in workers)
             self.current = workers
             for m, w in zip(self.monitors, workers):

@@ -86,6 +86,7 @@ def _on_exit(launcher: Launcher, res: CycleResult, worker: Worker, status: int) 
     worker.exitcode, worker.exit_ns = status, time.monotonic_ns()
     res.exits[worker.rank] = status
     launcher.monitors[worker.local_rank].send({"op": "idle"})  # nothing left to watch
+    launcher.event("exited", cycle=res.cycle, rank=worker.rank, status=status)
     if status == 0 or res.outcome is not Outcome.RUNNING:
         return
     detail = describe_exit(status)
@@ -105,6 +106,9 @@ def _on_monitor(launcher: Launcher, res: CycleResult, msg: dict[str, Any]) -> No
     if op == "hang":
         detected = int(msg.get("detected_ns", time.monotonic_ns()))
         launcher.hang_events.append((res.cycle, int(msg["rank"]), detected, msg))
+        wall = time.time() - (time.monotonic_ns() - detected) / 1e9
+        launcher.event("hang_detected", cycle=res.cycle, rank=int(msg["rank"]),
+                       detected_wall=wall, kind=msg.get("kind"), timeout_s=msg.get("timeout_s"))
         _log.error("rank %s hang detected (%s timeout %.3g s): %s; dumping stacks, stopping it",
                    msg["rank"], msg.get("kind"), msg.get("timeout_s", 0), msg.get("reason"))
         res.fail(Failure(int(msg["rank"]), "no_client" if msg.get("kind") == "no_client"

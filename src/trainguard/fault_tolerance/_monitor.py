@@ -195,13 +195,17 @@ class Monitor:
             age = (now - s.get(W.HB_NS)) / _NS
             if age > t.subsequent:
                 return "heartbeat", f"no heartbeat for {age:.2f} s", t.subsequent
+        n_open = 0
         for i, name in enumerate(self.names):
             opened, prog = s.section_state(i)
+            if not opened:
+                continue
+            n_open += 1
+            idle = (now - max(opened, prog)) / _NS  # progress() restarts the clock
             limit = t.sections.get(name)
-            if opened and limit is not None and (now - prog) / _NS > limit:
-                return ("section", (f"no progress in section {name!r} for "
-                        f"{(now - prog) / _NS:.2f} s"), limit)
-        if s.get(W.N_OPEN) == 0 and t.out_of_section is not None:
+            if limit is not None and idle > limit:
+                return ("section", f"no progress in section {name!r} for {idle:.2f} s", limit)
+        if n_open == 0 and t.out_of_section is not None:
             since = max(s.get(W.LAST_CLOSE), init)
             age = (now - since) / _NS
             if age > t.out_of_section:

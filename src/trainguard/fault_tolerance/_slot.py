@@ -54,7 +54,7 @@ _EXT_HEAD = struct.Struct("<HHI")
 class W:
     """Word indices of the slot header."""
 
-    MAGIC, PID, INIT, HB_COUNT, HB_NS, N_OPEN, LAST_CLOSE, PROGRESS = range(8)
+    MAGIC, PID, INIT, HB_COUNT, HB_NS, RESERVED5, LAST_CLOSE, PROGRESS = range(8)
     AUTO, STACKS_SIG, CYCLE, PROGRESS_NS = 8, 9, 10, 11
     SECTIONS = _HEADER_WORDS
 
