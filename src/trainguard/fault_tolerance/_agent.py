@@ -99,6 +99,7 @@ class Launcher:
         self.no_progress = 0
         self.last_iteration: int | None = None
         self.cold_reason = ""
+        self.store_port = 0
 
     # -- small helpers used by _cycle ---------------------------------------------------
     def rank_of(self, local_rank: int) -> int:
@@ -282,6 +283,8 @@ class Launcher:
             "TRAINGUARD_FT_SECTIONS": ",".join(spec.ft.section_names),
             "TRAINGUARD_FT_PARENT": str(os.getpid()),
         })
+        if "TRAINGUARD_STORE_PORT" not in os.environ:  # inprocess.Wrapper's store, fresh per cycle
+            env["TRAINGUARD_STORE_PORT"] = str(self.store_port)
         auto = spec.ft.auto_heartbeat_timeout
         env["TRAINGUARD_FT_AUTO_HB_INTERVAL"] = str(min(1.0, auto / 10)) if auto else "0"
         return env
@@ -346,18 +349,22 @@ class Launcher:
             res.exits.setdefault(w.rank, status)
 
     # -- cycles ------------------------------------------------------------------------
-    def _reserve_port(self) -> tuple[socket.socket | None, int]:
+    def _reserve_ports(self) -> tuple[list[socket.socket], int, int]:
+        """Fresh MASTER_PORT and TRAINGUARD_STORE_PORT (inprocess.Wrapper's store) for a cycle,
+        held by bound sockets until the cycle ends (two jobs started at once never collide)."""
+        held = [reserve_port("127.0.0.1") for _ in range(2)]
+        store_port = int(held[1].getsockname()[1])
         if self.spec.master_port:
-            return None, self.spec.master_port
-        sock = reserve_port(self.spec.master_addr if self.spec.master_addr != "localhost"
-                            else "127.0.0.1")
-        return sock, int(sock.getsockname()[1])
+            held[0].close()
+            return held[1:], self.spec.master_port, store_port
+        return held, int(held[0].getsockname()[1]), store_port
 
     def _run_cycle(self, cycle: int) -> _cycle.CycleResult:
         res = _cycle.CycleResult(cycle, started_ns=time.monotonic_ns())
         for s in self.slots:
             s.reset(cycle)
-        sock, port = self._reserve_port()
+        held, port, store_port = self._reserve_ports()
+        self.store_port = store_port
         self.pump.open_cycle(os.path.join(self.run_dir, f"cycle_{cycle}.log"))
         t0 = time.monotonic()
         workers: list[Worker] = []
@@ -382,7 +389,7 @@ class Launcher:
             res.progress = _cycle.slot_progress(self)
             res.ended_ns = time.monotonic_ns()
             self.pump.end_cycle()
-            if sock is not None:
+            for sock in held:
                 sock.close()
         return res
 
