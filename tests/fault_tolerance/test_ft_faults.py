@@ -93,3 +93,13 @@ def test_no_progress_for_n_cycles_exits_with_the_no_restart_code(launch, tmp_pat
     assert r.rc == 93, r
     assert "no progress for 2 cycle(s)" in r.err
     assert "cycle_3.log" not in str(list((tmp_path / "t").iterdir()))
+
+
+def test_attribution_stop_verdict_ends_the_job_with_the_no_restart_code(launch, tmp_path):
+    script = tmp_path / "nofile.py"
+    script.write_text("open('/no/such/dataset/shard-0.bin')\n")
+    r = launch("--nproc-per-node", "1", "--max-restarts", "3", "--ft-attribution-stop-action",
+               "no-restart", str(script))
+    assert r.rc == 93, r
+    assert "attribution: STOP (missing_path" in r.err
+    assert not (tmp_path / "t" / "cycle_1.log").exists()  # no restart was attempted
