@@ -105,7 +105,7 @@ class _Root:
         self.pid: int | None = target if isinstance(target, int) else target.pid
         self.pidfd: int | None = None
         self.done = self.pid is None or not self._running()  # pid kept: its group may live on
-        if self.done:
+        if self.done or self.pid is None:
             return
         try:
             self.pidfd = os.pidfd_open(self.pid)
@@ -160,6 +160,10 @@ class _Root:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+def _live_pids(roots: list[_Root]) -> list[int]:
+    return [r.pid for r in roots if r.pid is not None and not r.done]
 
 
 def _pid_of(target: Target) -> int | None:
@@ -235,14 +239,14 @@ def terminate_processes(
     live = [r for r in roots if r.pid is not None and (groups or not r.done)]
     polite = Deadline(0.0 if first_signal == signal.SIGKILL else max(grace_s, 0.0))
     end = Deadline(polite.timeout_s + REAP_S)
-    seen = {p.pid: p for p in descendants(r.pid for r in live if not r.done)} if tree else {}
+    seen = {p.pid: p for p in descendants(_live_pids(live))} if tree else {}
     try:
         for r in live:
             r.signal(signal.SIGCONT, groups)
             r.signal(first_signal, groups)
         _wait_roots(live, polite)
         if tree:
-            for p in descendants(r.pid for r in live if not r.done):
+            for p in descendants(_live_pids(live)):
                 seen.setdefault(p.pid, p)
         for r in live:
             r.signal(signal.SIGKILL, groups)

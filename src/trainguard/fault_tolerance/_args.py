@@ -336,10 +336,10 @@ def _endpoint(host: str, port: str, master_port: int | None) -> int | None:
                                 "host name") from None
     local = {"127.0.0.1", "::1", "0.0.0.0"}
     try:
-        local.update(i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None))
+        local.update(str(i[4][0]) for i in socket.getaddrinfo(socket.gethostname(), None))
     except OSError:
         pass
-    if not any(i[4][0] in local or i[4][0].startswith("127.") for i in infos):
+    if not any(str(i[4][0]) in local or str(i[4][0]).startswith("127.") for i in infos):
         raise LaunchConfigError(f"--rdzv-endpoint {host}:{port}: not an address of this machine; "
                                 "a single-node job hosts its own store (use --standalone)")
     return master_port if port_n == 0 else (master_port or port_n)

@@ -181,6 +181,7 @@ def parse_seconds(name: str, raw: Any) -> float | None:
 
 def _coerce(key: str, raw: Any) -> Any:
     if key == "rank_section_timeouts":
+        items: list[Any]
         if isinstance(raw, Mapping):
             items = list(raw.items())
         else:
@@ -195,8 +196,8 @@ def _coerce(key: str, raw: Any) -> Any:
                 out[str(name).strip()] = seconds
         return out
     if key in ("forward_signals", "preload"):
-        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
-        return tuple(str(i).strip() for i in items if str(i).strip())
+        parts: list[Any] = list(raw) if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        return tuple(str(i).strip() for i in parts if str(i).strip())
     if key in _OPTIONAL_S[:4] or key in ("workload_check_interval", "safety_factor",
                                           "rank_termination_grace", "workers_stop_timeout",
                                           "term_timeout", "pg_timeout"):
