@@ -173,7 +173,8 @@ class Launcher:
     def _install_signals(self) -> None:
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
-        names = set(self.spec.ft.forward_signals) | {"SIGTERM", "SIGINT"}
+        names = set(self.spec.ft.forward_signals) | set(self.spec.signals_to_handle) | {
+            "SIGTERM", "SIGINT"}
         for name in names:
             signum = signal_number(name)
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)

@@ -119,6 +119,7 @@ class LaunchSpec:
     virtual_local_rank: bool
     rdzv_timeout_s: float | None
     shutdown_timeout_s: float | None
+    signals_to_handle: tuple[str, ...]
     script: str
     script_args: tuple[str, ...]
     ft: FaultToleranceConfig
@@ -302,7 +303,17 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
         master_port=master_port, virtual_local_rank=bool(v["virtual_local_rank"]),
         rdzv_timeout_s=rdzv_conf.get("timeout"),
         shutdown_timeout_s=float(shutdown) if shutdown is not None else None,
+        signals_to_handle=_signal_names(str(v["signals_to_handle"])),
         script=script, script_args=args, ft=ft)
+
+
+def _signal_names(raw: str) -> tuple[str, ...]:
+    from trainguard.fault_tolerance.config import signal_number
+
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    for name in names:
+        signal_number(name)  # raises LaunchConfigError for an unknown name
+    return names
 
 
 def _rdzv_conf(raw: str) -> dict[str, float]:
