@@ -182,13 +182,22 @@ class CallWrapper:
 
     @property
     def store(self) -> dist.Store:
-        """The call's base coordination store."""
-        return self._rt.store
+        """The call's coordination store, through a connection of this iteration.
+
+        A restart shuts that connection, so a ``wait``/``get`` blocked on it raises within
+        milliseconds instead of waiting for the store timeout; the next iteration gets a new
+        connection (the keys stay). Stores that cannot be cloned (FileStore) are returned as is.
+        """
+        return self._rt.iteration_store()
 
     @property
     def process_group_store(self) -> dist.PrefixStore:
-        """A store namespaced to this call and iteration, for ``init_process_group``."""
-        return dist.PrefixStore(self._rt.keys.pg_prefix(self.iteration), self._rt.store)
+        """A store namespaced to this call and iteration, for ``init_process_group``.
+
+        Built on :attr:`store`'s per-iteration connection, so process-group creation waiting for
+        a peer that faulted before joining is released by the restart.
+        """
+        return dist.PrefixStore(self._rt.keys.pg_prefix(self.iteration), self._rt.iteration_store())
 
     @property
     def restart_records(self) -> list[RestartRecord]:
@@ -225,7 +234,11 @@ class CallWrapper:
 
     @contextlib.contextmanager
     def tracking_process_group(self) -> Iterator[None]:
-        """Track the sockets of process groups made inside (``new_group``) for the CPU abort."""
+        """Track the sockets of process groups made inside (``new_group``) for the CPU abort.
+
+        Kept for compatibility: the default abort releases every socket opened during the
+        iteration, tracked or not, so wrapping group creation in this block is optional.
+        """
         with _transport.tracking():
             yield
 
@@ -287,6 +300,18 @@ class _Runtime(LoopMixin):
         self.frozen_gc = False
         self.completed = False
         self.last_fault_text: str | None = None
+        self.iter_store: dist.Store | None = None
+
+    def iteration_store(self) -> dist.Store:
+        """The wrapped function's store connection for this iteration (created on first use
+        and tracked, so the abort shuts it; see :attr:`CallWrapper.store`)."""
+        if self.iter_store is None:
+            before = _transport.snapshot()
+            store = co.clone_store(self.store)
+            if store is not self.store:
+                _transport.track_fds(_transport.snapshot() - before)
+            self.iter_store = store
+        return self.iter_store
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         saved = env_snapshot()
