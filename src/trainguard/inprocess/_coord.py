@@ -176,6 +176,10 @@ class Keys:
     def pg_prefix(self, iteration: int) -> str:
         return f"{self.base}/i{iteration}/pg/"
 
+    def user_prefix(self, iteration: int) -> str:
+        """Namespace of a plain ``init_process_group``'s own store in ``iteration``."""
+        return f"{self.base}/i{iteration}/user/"
+
     def assignment_prefix(self, iteration: int | None) -> str:
         tail = "ra_init" if iteration is None else f"i{iteration}/ra"
         return f"{self.base}/{tail}/"

@@ -27,7 +27,7 @@ from trainguard._core.clock import as_seconds
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier
 from trainguard.inprocess import _coord as co
-from trainguard.inprocess import _transport
+from trainguard.inprocess import _rendezvous, _transport
 from trainguard.inprocess._config import DEFAULTS, Duration, WrapperConfig, validate
 from trainguard.inprocess._loop import LoopMixin, Outcome, env_restore, env_snapshot
 from trainguard.inprocess._monitor_process import MonitorConfig, MonitorProcess
@@ -301,6 +301,7 @@ class _Runtime(LoopMixin):
         self.completed = False
         self.last_fault_text: str | None = None
         self.iter_store: dist.Store | None = None
+        self.rdzv_wrapped = False
 
     def iteration_store(self) -> dist.Store:
         """The wrapped function's store connection for this iteration (created on first use
@@ -374,6 +375,9 @@ class _Runtime(LoopMixin):
         self.interrupter.install()
         self.interrupter.install_unraisable_hook()
         self.keys = co.Keys(call_id)
+        keys = self.keys
+        self.rdzv_wrapped = _rendezvous.namespace_rendezvous(
+            lambda: keys.user_prefix(self.state.iteration))
         self._initial_barrier()
         self.reassign(None)
 
@@ -447,5 +451,8 @@ class _Runtime(LoopMixin):
             wait_s = self.cfg.barrier_timeout_s + 5.0 if self.hosting else 5.0
             self.monitor.stop(wait_s)
         _transport.clear()
+        if self.rdzv_wrapped:
+            _rendezvous.restore_rendezvous()
+            self.rdzv_wrapped = False
         if self.frozen_gc:
             gc.unfreeze()
