@@ -44,8 +44,8 @@ from trainguard.inprocess._watchdog import Phase
 from trainguard.inprocess.exceptions import (
     BarrierTimeout,
     HealthCheckError,
-    InternalError,
     RankShouldRestart,
+    RestartTimeout,
 )
 from trainguard.inprocess.state import Mode, State
 
@@ -163,8 +163,10 @@ class LoopMixin:
         rec = self.records[-1] if self.records else None
         if rec is not None and rec.reentry_time is None:
             rec.reentry_time = time.time()
+            # the figures of RestartRecord, so the log and restart_records agree
             log.info(
-                "restart %d -> %d: cause=%s ranks=%s detection=%.3f s restart=%.3f s",
+                "restart %d -> %d: cause=%s ranks=%s detection=%.3f s restart=%.3f s "
+                "(RestartRecord.detection_s: fault -> recorded; restart_s: fault -> re-entry)",
                 rec.iteration, rec.iteration + 1, rec.cause, list(rec.fault_ranks),
                 rec.detection_s, rec.restart_s,
             )
@@ -253,7 +255,10 @@ class LoopMixin:
         while time.monotonic() < deadline:
             time.sleep(0.01)  # the interrupt signal cuts this sleep short
             self.block.touch()
-        raise InternalError(f"an interruption was recorded but no restart arrived in {limit:.1f} s")
+        raise RestartTimeout(
+            f"an interruption was recorded but the restart interrupt did not arrive within "
+            f"{limit:.1f} s (last_call_wait + soft_timeout + 2 x monitor_thread_interval); a "
+            "custom abort hook may be blocking the monitor thread")
 
     def absorb_interrupt(self) -> None:
         """The monitor thread fired after we completed: swallow its interrupt."""

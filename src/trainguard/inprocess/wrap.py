@@ -13,9 +13,11 @@ import contextlib
 import functools
 import gc
 import inspect
+import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -52,6 +54,8 @@ def _default_rank_assignment() -> Callable:
 
 class Wrapper:
     """Decorator: run the wrapped function under in-process restart.
+
+    Use as ``@Wrapper``, ``@Wrapper()`` or ``@Wrapper(soft_timeout=...)``.
 
     Each call of the decorated function is one *call*: ranks (``RANK``/``WORLD_SIZE`` from the
     environment) meet at an initial barrier, then run iterations. An ``Exception`` on any rank
@@ -98,8 +102,24 @@ class Wrapper:
             progress_watchdog_interval < soft), relative paths.
     """
 
+    def __new__(cls, fn: Callable | None = None, /, **kwargs: Any) -> Any:
+        # ``@Wrapper`` without parentheses: Python calls ``Wrapper(fn)``; return the wrapped
+        # function (not an instance, so __init__ is not run again).
+        if fn is None:
+            return super().__new__(cls)
+        if not callable(fn) or isinstance(fn, (bool, int, float, str)):
+            raise TypeError(
+                f"Wrapper takes keyword arguments only (got a positional {fn!r}); use "
+                "@Wrapper, @Wrapper() or @Wrapper(soft_timeout=...)"
+            )
+        inst = super().__new__(cls)
+        inst.__init__(**kwargs)
+        return inst(fn)
+
     def __init__(
         self,
+        fn: Callable | None = None,
+        /,
         *,
         store_factory: Callable[..., dist.Store] | None = None,
         store_kwargs: Mapping[str, Any] | None = None,
@@ -359,6 +379,11 @@ class _Runtime(LoopMixin):
                 "CallWrapper.init_process_group())"
             )
         self.state = State.from_env()
+        if "WORLD_SIZE" not in os.environ:
+            warnings.warn(
+                "trainguard: WORLD_SIZE is not set, so the wrapped function runs as a 1-rank "
+                "job; launch it with torchrun or `trainguard launch`, or set RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT", RuntimeWarning, stacklevel=4)
         gc.freeze()  # keeps restart-time gc.collect() to the call's own objects
         self.frozen_gc = True
         store_fn, base, port = self._store_source()
