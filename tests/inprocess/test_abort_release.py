@@ -116,7 +116,23 @@ def _kind_plain_env(cw: CallWrapper, rank: int, cfg: dict) -> None:
     dist.destroy_process_group()
 
 
-_KINDS = {"ckpt_kill": _kind_ckpt, "ckpt_raise": _kind_ckpt, "subgroup": _kind_subgroup, "pg_init": _kind_pg_init,
+def _kind_ddp_teardown(cw: CallWrapper, rank: int, cfg: dict) -> None:
+    """Free a DDP model right after destroying its group, just after the last all-reduce
+    (issue 13.8; deadlocks on the GIL within a few tries with torch alone)."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    for attempt in range(8):
+        store = dist.PrefixStore(f"ddp{cw.iteration}-{attempt}", cw.store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_GLOO)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+        for _ in range(3):
+            model(torch.randn(8, 64)).sum().backward()
+        dist.destroy_process_group()
+        del model
+
+
+_KINDS = {"ddp_teardown": _kind_ddp_teardown, "ckpt_kill": _kind_ckpt, "ckpt_raise": _kind_ckpt, "subgroup": _kind_subgroup, "pg_init": _kind_pg_init,
           "store_wait": _kind_store_wait, "plain_env": _kind_plain_env}
 
 
@@ -134,7 +150,7 @@ def rank_main() -> dict:
             raise RuntimeError("injected fault in the initialize hook")
         return state
 
-    @Wrapper(soft_timeout=15.0, hard_timeout=20.0, barrier_timeout=40.0, heartbeat_timeout=10.0,
+    @Wrapper(soft_timeout=15.0, hard_timeout=20.0, barrier_timeout=60.0, heartbeat_timeout=10.0,
              heartbeat_interval=0.2, monitor_process_interval=0.05, monitor_thread_interval=0.1,
              progress_watchdog_interval=0.05, last_call_wait=0.05, termination_grace_time=0.5,
              initialize=initialize, health_check=counter)
@@ -164,7 +180,7 @@ def _kind_pg_init_after_hook(cw: CallWrapper) -> None:
 
 # -- test side ---------------------------------------------------------------------------------
 def _launch(kind: str, world: int, **cfg) -> list:
-    res = run_ranks(TARGET, world, timeout_s=70, pythonpath=[HERE],
+    res = run_ranks(TARGET, world, timeout_s=120, pythonpath=[HERE],
                     env={"TG_TEST_CFG": json.dumps({"kind": kind, **cfg})})
     for r in res:
         print(f"rank {r.rank}: rc={r.returncode} result={r.result}")
@@ -180,13 +196,13 @@ def _assert_restarted(res: list, faulty: set[int], fault_ranks: list[int], cause
         assert r.result["ret"] == 1 and r.result["world"] == world_after, r.result
         [rec] = r.result["records"]
         assert rec["cause"] == cause and rec["ranks"] == fault_ranks, rec
-        assert rec["restart_s"] < 8.0, rec  # hard timeout 20 s, gloo timeout 300 s
+        assert rec["restart_s"] < 10.0, rec  # hard timeout 20 s, gloo timeout 300 s
         # only a rank's own fault counts (issue 13.2): errors the abort caused do not
         own = 1 if cause == "exception" and r.rank in fault_ranks else 0
         assert r.result["faults"] == own, r.result
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(160)
 @pytest.mark.parametrize("kind", ["ckpt_kill", "subgroup"])
 def test_sigkill_releases_groups_created_inside_fn(kind, tmp_path):
     res = _launch(kind, 3, dir=str(tmp_path))
@@ -194,32 +210,40 @@ def test_sigkill_releases_groups_created_inside_fn(kind, tmp_path):
     _assert_restarted(res, {2}, [2], "terminated", world_after=2)
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(160)
 def test_exception_releases_checkpointer_group_created_inside_fn(tmp_path):
     res = _launch("ckpt_raise", 3, dir=str(tmp_path))
     _assert_restarted(res, set(), [1], "exception", world_after=3)
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(160)
 @pytest.mark.parametrize("kind", ["pg_init", "hook"])
 def test_peer_raising_before_joining_releases_process_group_creation(kind):
     res = _launch(kind, 3)
     _assert_restarted(res, set(), [1], "exception", world_after=3)
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(160)
 def test_store_wait_is_released():
     res = _launch("store_wait", 2)
     _assert_restarted(res, set(), [1], "exception", world_after=2)
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(160)
 def test_plain_env_process_group_released_and_keys_fresh_per_iteration():
     res = _launch("plain_env", 2)
     for r in res:
         assert r.returncode == 0, r.stderr[-4000:]
         assert r.result["ret"] == 2, r.result
         assert [x["ranks"] for x in r.result["records"]] == [[1], [1]], r.result
-        assert all(x["restart_s"] < 8.0 for x in r.result["records"]), r.result
+        assert all(x["restart_s"] < 10.0 for x in r.result["records"]), r.result
         # each rank adds once in iterations 1 and 2: every iteration's keys start fresh
         assert r.result["counts"] == [1, 1], r.result
+
+
+@pytest.mark.timeout(160)
+def test_freeing_ddp_after_destroying_its_group_does_not_deadlock():
+    res = _launch("ddp_teardown", 2)
+    for r in res:
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.result["ret"] == 0 and r.result["records"] == [], r.result

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier, wait_key
 from trainguard.inprocess import _coord as co
-from trainguard.inprocess import _transport
+from trainguard.inprocess import _pg_guard, _transport
 from trainguard.inprocess._monitor_thread import (
     Interrupter,
     MonitorThread,
@@ -290,6 +290,7 @@ class LoopMixin:
                 raise HealthCheckError(f"restart health check failed: {exc!r}") from exc
         marks.append(("finalized", time.time()))
         self.iteration_barrier()
+        _pg_guard.release()  # the barrier blocked in store waits: group callbacks have run
         marks.append(("barrier", time.time()))
         # Re-read after the barrier: records written after the abort (a rank the machinery
         # killed at its hard timeout, a departure during the restart) belong to this restart.
@@ -370,7 +371,7 @@ def reset_torch_distributed() -> None:
     if not dist.is_available():
         return
     if dist.is_initialized():
-        dist.destroy_process_group()
+        _pg_guard.destroy_process_group()  # groups freed after the barrier (see _pg_guard)
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is not None and hasattr(world, "group_count"):
         world.group_count = 0

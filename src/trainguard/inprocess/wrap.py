@@ -29,7 +29,7 @@ from trainguard._core.clock import as_seconds
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier
 from trainguard.inprocess import _coord as co
-from trainguard.inprocess import _rendezvous, _transport
+from trainguard.inprocess import _pg_guard, _rendezvous, _transport
 from trainguard.inprocess._config import DEFAULTS, Duration, WrapperConfig, validate
 from trainguard.inprocess._loop import LoopMixin, Outcome, env_restore, env_snapshot
 from trainguard.inprocess._monitor_process import MonitorConfig, MonitorProcess
@@ -403,6 +403,7 @@ class _Runtime(LoopMixin):
         keys = self.keys
         self.rdzv_wrapped = _rendezvous.namespace_rendezvous(
             lambda: keys.user_prefix(self.state.iteration))
+        _pg_guard.install()
         self._initial_barrier()
         self.reassign(None)
 
@@ -479,5 +480,6 @@ class _Runtime(LoopMixin):
         if self.rdzv_wrapped:
             _rendezvous.restore_rendezvous()
             self.rdzv_wrapped = False
+        _pg_guard.uninstall()  # after the barriers: no collective callback is still running
         if self.frozen_gc:
             gc.unfreeze()
