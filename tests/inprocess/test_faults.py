@@ -211,6 +211,9 @@ def test_fault_kinds(kind, world, targets):
         assert max(lat) < 1.0 + 3.0
     if kind in (FaultKind.HANG_GIL, FaultKind.SIGSTOP):  # killed at the hard timeout (2.5 s)
         assert all(2.0 < x < 2.5 + 5.0 for x in lat)
+        # the kill by the machinery is in the restart record, with its reason (issue 13.1)
+        for rec in survivors(res, faulty)[0].result["records"]:
+            assert "hard_timeout on ranks" in rec["message"], rec
 
 
 @pytest.mark.timeout(90)

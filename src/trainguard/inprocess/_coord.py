@@ -176,6 +176,10 @@ class Keys:
     def pg_prefix(self, iteration: int) -> str:
         return f"{self.base}/i{iteration}/pg/"
 
+    def user_prefix(self, iteration: int) -> str:
+        """Namespace of a plain ``init_process_group``'s own store in ``iteration``."""
+        return f"{self.base}/i{iteration}/user/"
+
     def assignment_prefix(self, iteration: int | None) -> str:
         tail = "ra_init" if iteration is None else f"i{iteration}/ra"
         return f"{self.base}/{tail}/"
@@ -201,12 +205,24 @@ _COMM_ERROR_TEXT = ("connection closed", "connection reset", "broken pipe", "glo
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """True when ``exc`` looks like a failed collective/transport (a peer died or aborted)."""
+    """True when ``exc`` or an exception in its cause/context chain looks like a failed
+    collective, store wait or transport (a peer died, or the abort shut the socket): a
+    ``torch.distributed.DistError``, a ``ConnectionError``, or a ``RuntimeError`` whose text
+    names the transport (c10d raises plain RuntimeErrors)."""
     dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(t in text for t in _COMM_ERROR_TEXT)
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(seen) < 16:
+        seen.add(id(cur))
+        if dist_error is not None and isinstance(cur, dist_error):
+            return True
+        if isinstance(cur, ConnectionError):
+            return True
+        text = str(cur).lower()
+        if isinstance(cur, RuntimeError) and any(t in text for t in _COMM_ERROR_TEXT):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def is_interrupted(store: dist.Store, keys: Keys, iteration: int) -> bool:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier, wait_key
 from trainguard.inprocess import _coord as co
-from trainguard.inprocess import _transport
+from trainguard.inprocess import _pg_guard, _transport
 from trainguard.inprocess._monitor_thread import (
     Interrupter,
     MonitorThread,
@@ -44,14 +44,15 @@ from trainguard.inprocess._watchdog import Phase
 from trainguard.inprocess.exceptions import (
     BarrierTimeout,
     HealthCheckError,
-    InternalError,
     RankShouldRestart,
+    RestartTimeout,
 )
 from trainguard.inprocess.state import Mode, State
 
 __all__ = ["Outcome", "assignment_ctx"]
 
 log = get_logger("trainguard.inprocess")
+_PEER_RECORD_WAIT_S = 0.5  # a transport error waits this long for a peer's fault record
 
 
 class Outcome(enum.Enum):
@@ -81,6 +82,8 @@ class LoopMixin:
     atomic_lock: threading.RLock
     records: list
     call_wrapper: Any
+    iter_store: Any
+    monitor_thread: Any
 
     # -- iteration ---------------------------------------------------------------------------
     def iterate(self, args: tuple, kwargs: dict) -> Outcome:
@@ -116,6 +119,7 @@ class LoopMixin:
         co.publish_member(self.store, self.keys, it, st.initial_rank, st.rank)
         self.interrupter.arm()
         self.completed_barrier = False
+        self.iter_store = None
         _transport.mark_iteration_start()
         before = open_fds()
         own_store = co.clone_store(self.store)
@@ -159,8 +163,10 @@ class LoopMixin:
         rec = self.records[-1] if self.records else None
         if rec is not None and rec.reentry_time is None:
             rec.reentry_time = time.time()
+            # the figures of RestartRecord, so the log and restart_records agree
             log.info(
-                "restart %d -> %d: cause=%s ranks=%s detection=%.3f s restart=%.3f s",
+                "restart %d -> %d: cause=%s ranks=%s detection=%.3f s restart=%.3f s "
+                "(RestartRecord.detection_s: fault -> recorded; restart_s: fault -> re-entry)",
                 rec.iteration, rec.iteration + 1, rec.cause, list(rec.fault_ranks),
                 rec.detection_s, rec.restart_s,
             )
@@ -194,13 +200,20 @@ class LoopMixin:
 
     # -- faults ------------------------------------------------------------------------------
     def on_fault(self, exc: Exception) -> None:
-        """Record a local Exception and wait for the interrupt (raises RankShouldRestart)."""
-        self.state.fn_exception = exc
-        # text only: keeping the exception would keep the failed attempt's frames alive
-        self.last_fault_text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        """Record a local Exception and wait for the interrupt (raises RankShouldRestart).
+
+        An exception caused by the restart itself (a collective or store wait broken by the
+        abort, or by a peer that died) is a consequence, not this rank's fault: it is recorded
+        as secondary and does not become ``State.fn_exception`` (so ``FaultCounter`` and other
+        hooks see only the rank's own faults).
+        """
         t = time.time()
         it = self.state.iteration
-        secondary = co.is_comm_error(exc) or co.is_interrupted(self.store, self.keys, it)
+        secondary = self.is_consequence(exc)
+        if not secondary:
+            self.state.fn_exception = exc
+            # text only: keeping the exception would keep the failed attempt's frames alive
+            self.last_fault_text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         rec = co.Interruption(co.Cause.EXCEPTION.value, self.state.initial_rank, t, t,
                               repr(exc)[:300], secondary)
         co.record_interruption(self.store, self.keys, self.state.iteration, rec)
@@ -214,6 +227,26 @@ class LoopMixin:
                         "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         self.wait_interrupt()
 
+    def is_consequence(self, exc: Exception) -> bool:
+        """True when ``exc`` was caused by a restart already under way or by a peer's fault.
+
+        Our own abort already ran (it broke the sockets under ``exc``), or ``exc`` is a
+        transport error (in its cause chain) and another rank's fault is recorded now or within
+        ``_PEER_RECORD_WAIT_S`` (a peer's monitor records its death as its sockets close).
+        """
+        mt = self.monitor_thread
+        if mt is not None and mt.firing:
+            return True
+        if not co.is_comm_error(exc):
+            return False
+        deadline = time.monotonic() + _PEER_RECORD_WAIT_S
+        while True:
+            if co.is_interrupted(self.store, self.keys, self.state.iteration):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
     def wait_interrupt(self) -> None:
         """Keep running bytecode until the monitor thread interrupts us (bounded)."""
         limit = (self.cfg.last_call_wait_s + self.cfg.soft_timeout_s
@@ -222,7 +255,10 @@ class LoopMixin:
         while time.monotonic() < deadline:
             time.sleep(0.01)  # the interrupt signal cuts this sleep short
             self.block.touch()
-        raise InternalError(f"an interruption was recorded but no restart arrived in {limit:.1f} s")
+        raise RestartTimeout(
+            f"an interruption was recorded but the restart interrupt did not arrive within "
+            f"{limit:.1f} s (last_call_wait + soft_timeout + 2 x monitor_thread_interval); a "
+            "custom abort hook may be blocking the monitor thread")
 
     def absorb_interrupt(self) -> None:
         """The monitor thread fired after we completed: swallow its interrupt."""
@@ -241,9 +277,9 @@ class LoopMixin:
         info = mt.info or RestartInfo(co.read_interruptions(self.store, self.keys,
                                                             self.state.iteration), time.time())
         marks = [("interrupted", info.interrupt_time), ("caught", time.time())]
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # custom aborts may leave it; stale group would leak
+        reset_torch_distributed()
         _transport.clear()
+        self.iter_store = None
         frozen = self.state.freeze()
         if self.cfg.finalize is not None:
             self.cfg.finalize(frozen)
@@ -254,9 +290,13 @@ class LoopMixin:
                 raise HealthCheckError(f"restart health check failed: {exc!r}") from exc
         marks.append(("finalized", time.time()))
         self.iteration_barrier()
+        _pg_guard.release()  # the barrier blocked in store waits: group callbacks have run
         marks.append(("barrier", time.time()))
-        record = co.RestartRecord.from_interruptions(self.state.iteration, info.records,
-                                                     info.interrupt_time)
+        # Re-read after the barrier: records written after the abort (a rank the machinery
+        # killed at its hard timeout, a departure during the restart) belong to this restart.
+        records = co.read_interruptions(self.store, self.keys, self.state.iteration)
+        record = co.RestartRecord.from_interruptions(self.state.iteration,
+                                                     records or info.records, info.interrupt_time)
         self.reassign(self.state.iteration)
         marks.append(("assigned", time.time()))
         self.records.append(record)
@@ -317,6 +357,24 @@ class LoopMixin:
         self.block.set("phase", Phase.DONE)
         if self.cfg.terminate is not None:
             self.cfg.terminate(self.state.freeze())
+
+
+def reset_torch_distributed() -> None:
+    """Destroy every process group and reset torch's group counter.
+
+    Custom aborts may leave the groups (a stale group would leak). A default group whose
+    creation failed half-way (a peer faulted before joining) leaves no group but has advanced
+    torch's group counter, which names the group's store keys: without the reset this rank
+    would look for ``1/...`` keys in the next iteration while a rank that never tried writes
+    ``0/...``, and process-group creation would hang.
+    """
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
+        _pg_guard.destroy_process_group()  # groups freed after the barrier (see _pg_guard)
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def env_snapshot() -> dict[str, str | None]:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.procs import terminate_processes
 from trainguard._core.store import reentrant_barrier, wait_key
+from trainguard.errors import ConfigError
 from trainguard.inprocess import _coord as co
 from trainguard.inprocess._watchdog import Phase, ProgressBlock
 
@@ -79,20 +80,33 @@ class MonitorProcess:
         self._reaped = False
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until the child reports ready (store hosted); raises RuntimeError otherwise."""
+        """Block (at most ``timeout_s`` s) until the child reports ready (store hosted).
+
+        Raises:
+            ConfigError: the default store's port is taken (the message names the port and
+                ``TRAINGUARD_STORE_PORT``); reported as soon as the child fails to bind.
+            RuntimeError: the child exited or did not answer in time.
+        """
         ready, _, _ = select.select([self._status_r], [], [], timeout_s)
         line = ""
         if ready:
             try:
                 line = str(decode_msg(FrameReader(self._status_r, 256).recv()[1])[0].get("op"))
             except (EOFError, OSError, FrameError):
-                line = "exited before reporting ready"
-        if not line.startswith("ready"):
-            self.stop(1.0)
-            raise RuntimeError(
-                f"monitor process of rank {self.cfg.initial_rank} failed to start: "
-                f"{line.strip() or f'no answer within {timeout_s:.1f} s'}"
-            )
+                line = ""
+        if line.startswith("ready"):
+            return
+        self.stop(1.0)
+        if line.startswith("port-busy "):
+            raise ConfigError(line[len("port-busy "):])
+        if line.startswith("error "):
+            why = line[len("error "):]
+        elif ready:
+            why = "it exited before it was ready (see monitor_process_logfile)"
+        else:
+            why = f"no answer within {timeout_s:.1f} s"
+        raise RuntimeError(f"monitor process of rank {self.cfg.initial_rank} failed to start: "
+                           f"{why}")
 
     def send(self, **msg) -> None:
         try:
@@ -200,7 +214,11 @@ class _Monitor:
             with open(self.cfg.pidfile, "w") as fh:
                 fh.write(f"{os.getpid()}\n")
         if self.cfg.host is not None:
-            self.store = co.default_store(self.cfg.host, is_master=True)
+            try:
+                self.store = co.default_store(self.cfg.host, is_master=True)
+            except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+                send_msg(self.status_w, _MSG, {"op": _host_failure(self.cfg.host, exc)})
+                raise
         send_msg(self.status_w, _MSG, {"op": "ready"})
         if not self._wait_start():
             return
@@ -382,6 +400,18 @@ class _Monitor:
         co.report_departure(self.store, self.keys, it, rec, self.cfg.initial_world_size)
         reentrant_barrier(self.store, self.keys.term_barrier, [sibling],
                           self.cfg.initial_world_size, 0.0)
+
+
+def _host_failure(addr: co.StoreAddress, exc: BaseException) -> str:
+    """Status line for a store that could not be hosted (``port-busy ...`` or ``error ...``)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if "in use" in text.lower() or "eaddrinuse" in text.lower():
+        return (
+            f"port-busy port {addr.port} on {addr.host} for the in-process restart store is "
+            f"already in use; set {co.STORE_PORT_ENV} to a free port (default: MASTER_PORT + 1) "
+            "or pass store_kwargs={'port': ...}"
+        )
+    return f"error cannot host the store on {addr.host}:{addr.port}: {text[:300]}"
 
 
 def _pidfd(pid: int) -> int | None:

@@ -1,11 +1,15 @@
-"""Process-group transport sockets, so the CPU abort can break a blocked gloo collective.
+"""Sockets of one iteration, so the abort can end every wait the iteration can block in.
 
 gloo cannot abort a collective (its ``abort()`` and ``destroy_process_group`` leave a blocked
-``all_reduce`` blocked until gloo's own timeout), but shutting down the group's *connected* TCP
-sockets makes the blocked call raise within milliseconds. The sockets are found by comparing the
-process's TCP descriptors before and after ``init_process_group``/``new_group``
-(:func:`tracking`). Listening sockets are never touched (shutting gloo's listener aborts the
-process) and neither is any socket to the store's port.
+``all_reduce`` blocked until gloo's own timeout), and a c10d store wait cannot be cancelled, but
+shutting down the *connected* TCP sockets under them makes the blocked call raise within
+milliseconds. :func:`release_iteration` does that for every connected TCP socket the process
+opened since the iteration began (:func:`mark_iteration_start`), whoever opened it: process groups
+made by ``CallWrapper.init_process_group``, a plain ``init_process_group`` (and its own TCPStore),
+``new_group`` inside a library (an ``AsyncCheckpointer``, Lightning), plus the per-iteration store
+connection handed to the wrapped function (:func:`track_fds`). Listening sockets are never touched
+(shutting gloo's listener aborts the process) and neither is any other socket to the restart
+loop's own store port (the loop and the monitor thread talk to the store through them).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from trainguard._core.logging import get_logger
 __all__ = [
     "clear",
     "mark_iteration_start",
-    "shutdown_since_iteration_start",
+    "release_iteration",
     "shutdown_tracked",
     "snapshot",
+    "track_fds",
     "tracked_fds",
     "tracking",
 ]
@@ -53,6 +58,14 @@ def snapshot() -> set[int]:
 def exclude_port(port: int) -> None:
     """Never shut sockets whose local or remote port is ``port`` (the store's)."""
     _excluded_ports.add(int(port))
+
+
+def track_fds(fds: set[int]) -> None:
+    """Track these connected sockets whatever their port (the per-iteration store connection)."""
+    with _lock:
+        for fd, c in _connections().items():
+            if fd in fds and c.raddr and c.status != psutil.CONN_LISTEN:
+                _tracked[fd] = (tuple(c.laddr), tuple(c.raddr))
 
 
 def track_new(before: set[int]) -> list[int]:
@@ -85,15 +98,14 @@ def mark_iteration_start() -> None:
     _iteration_baseline = snapshot()
 
 
-def shutdown_since_iteration_start() -> int:
-    """Fallback for groups created without :func:`tracking` (a plain ``init_process_group``):
-    shut the connected sockets opened since the iteration began, except the store's.
+def release_iteration() -> int:
+    """Shut every connected socket opened since the iteration began (except the loop's own
+    store connections) and every tracked one; returns how many were shut.
 
-    Sockets the wrapped function opened for other purposes in this iteration are shut too; the
-    iteration is being torn down, and the next one recreates them. Returns how many were shut.
+    Sockets the wrapped function opened for other purposes in this iteration are shut too: the
+    iteration is being torn down and the next one recreates them. Safe from any thread; takes
+    one ``/proc`` scan plus one ``shutdown`` per socket (milliseconds), never blocks.
     """
-    with _lock:
-        _tracked.clear()
     track_new(_iteration_baseline)
     return shutdown_tracked()
 

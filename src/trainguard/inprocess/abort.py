@@ -38,11 +38,13 @@ class Abort(abc.ABC):
 class AbortTorchDistributed(Abort):
     """Unblock collectives and destroy every ``torch.distributed`` process group.
 
-    * CPU (gloo): ``shutdown(SHUT_RDWR)`` on the process groups' connected TCP sockets (tracked by
-      ``CallWrapper.init_process_group``/``CallWrapper.tracking_process_group``), which makes a
-      blocked collective raise within milliseconds; the listener and the store are left alone.
-      A gloo group created with a plain ``init_process_group`` (untracked) falls back to the
-      connected sockets opened since the iteration began (logged as a warning).
+    * every wait of the iteration: ``shutdown(SHUT_RDWR)`` on each connected TCP socket the
+      process opened since the iteration began, whoever created it (``CallWrapper.
+      init_process_group``, a plain ``init_process_group`` and its TCPStore, a ``new_group`` of
+      the user or of a library such as ``AsyncCheckpointer``), and on the per-iteration store
+      connection behind ``CallWrapper.store``/``process_group_store``. A blocked gloo
+      collective, process-group creation or store wait then raises within milliseconds. The
+      listeners and the restart loop's own store connections are left alone.
     * CUDA (NCCL): abort each group's NCCL backend (communicators), in parallel threads.
     * ``destroy_process_group()`` follows in the main thread once it caught the interrupt (the
       restart loop does it); ``destroy=True`` destroys here already, as NVRx does. Destroying
@@ -57,14 +59,7 @@ class AbortTorchDistributed(Abort):
         self.destroy = destroy
 
     def __call__(self, state: FrozenState) -> FrozenState:
-        tracked = bool(_transport.tracked_fds())  # none tracked: the group was made elsewhere
-        shut = _transport.shutdown_tracked()
-        if not tracked and dist.is_available() and dist.is_initialized() and self._gloo_world():
-            shut = _transport.shutdown_since_iteration_start()
-            _log.warning(
-                "abort: the process group was not created through CallWrapper.init_process_group "
-                "(or inside CallWrapper.tracking_process_group); shut %d sockets opened in this "
-                "iteration to release blocked gloo collectives", shut)
+        shut = _transport.release_iteration()
         if dist.is_available() and dist.is_initialized():
             self._abort_nccl()
             if self.destroy:
@@ -72,15 +67,8 @@ class AbortTorchDistributed(Abort):
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001 - a half-broken group may refuse; it is gone
                     _log.debug("destroy_process_group failed", exc_info=True)
-        _log.debug("abort: %d sockets shut, process groups destroyed", shut)
+        _log.debug("abort: %d sockets of this iteration shut", shut)
         return state
-
-    @staticmethod
-    def _gloo_world() -> bool:
-        try:
-            return dist.get_backend() == "gloo"
-        except Exception:  # noqa: BLE001 - a group torn down concurrently
-            return False
 
     def _abort_nccl(self) -> None:
         if not torch.cuda.is_available():

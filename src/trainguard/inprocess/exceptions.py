@@ -6,7 +6,8 @@
      └── RestartError                    an Exception: leads to a restart where raised in fn/hooks
           ├── HealthCheckError           a health check failed (raised by hooks / the loop)
           ├── InternalError              trainguard bug or inconsistent state
-          ├── RestartTimeout (+TrainguardTimeout, TimeoutError)
+          ├── RestartTimeout (+TrainguardTimeout, TimeoutError)  the restart interrupt did
+          │                              not arrive in time after a fault was recorded
           ├── BarrierError
           │    ├── BarrierTimeout (+TrainguardTimeout, TimeoutError)
           │    └── BarrierOverflow
@@ -53,7 +54,12 @@ class InternalError(RestartError):
 
 
 class RestartTimeout(RestartError, TrainguardTimeout):
-    """A restart-machinery wait ran out."""
+    """A fault was recorded but the restart interrupt did not reach this rank in time.
+
+    Raised by the restart loop after ``last_call_wait + soft_timeout + 2 x
+    monitor_thread_interval`` seconds (typically a custom abort hook blocking the monitor
+    thread); it ends the call on that rank.
+    """
 
 
 class BarrierError(RestartError):

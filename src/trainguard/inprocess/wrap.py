@@ -13,9 +13,11 @@ import contextlib
 import functools
 import gc
 import inspect
+import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -27,7 +29,7 @@ from trainguard._core.clock import as_seconds
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier
 from trainguard.inprocess import _coord as co
-from trainguard.inprocess import _transport
+from trainguard.inprocess import _pg_guard, _rendezvous, _transport
 from trainguard.inprocess._config import DEFAULTS, Duration, WrapperConfig, validate
 from trainguard.inprocess._loop import LoopMixin, Outcome, env_restore, env_snapshot
 from trainguard.inprocess._monitor_process import MonitorConfig, MonitorProcess
@@ -52,6 +54,8 @@ def _default_rank_assignment() -> Callable:
 
 class Wrapper:
     """Decorator: run the wrapped function under in-process restart.
+
+    Use as ``@Wrapper``, ``@Wrapper()`` or ``@Wrapper(soft_timeout=...)``.
 
     Each call of the decorated function is one *call*: ranks (``RANK``/``WORLD_SIZE`` from the
     environment) meet at an initial barrier, then run iterations. An ``Exception`` on any rank
@@ -98,8 +102,24 @@ class Wrapper:
             progress_watchdog_interval < soft), relative paths.
     """
 
+    def __new__(cls, fn: Callable | None = None, /, **kwargs: Any) -> Any:
+        # ``@Wrapper`` without parentheses: Python calls ``Wrapper(fn)``; return the wrapped
+        # function (not an instance, so __init__ is not run again).
+        if fn is None:
+            return super().__new__(cls)
+        if not callable(fn) or isinstance(fn, (bool, int, float, str)):
+            raise TypeError(
+                f"Wrapper takes keyword arguments only (got a positional {fn!r}); use "
+                "@Wrapper, @Wrapper() or @Wrapper(soft_timeout=...)"
+            )
+        inst = super().__new__(cls)
+        inst.__init__(**kwargs)
+        return inst(fn)
+
     def __init__(
         self,
+        fn: Callable | None = None,
+        /,
         *,
         store_factory: Callable[..., dist.Store] | None = None,
         store_kwargs: Mapping[str, Any] | None = None,
@@ -182,13 +202,22 @@ class CallWrapper:
 
     @property
     def store(self) -> dist.Store:
-        """The call's base coordination store."""
-        return self._rt.store
+        """The call's coordination store, through a connection of this iteration.
+
+        A restart shuts that connection, so a ``wait``/``get`` blocked on it raises within
+        milliseconds instead of waiting for the store timeout; the next iteration gets a new
+        connection (the keys stay). Stores that cannot be cloned (FileStore) are returned as is.
+        """
+        return self._rt.iteration_store()
 
     @property
     def process_group_store(self) -> dist.PrefixStore:
-        """A store namespaced to this call and iteration, for ``init_process_group``."""
-        return dist.PrefixStore(self._rt.keys.pg_prefix(self.iteration), self._rt.store)
+        """A store namespaced to this call and iteration, for ``init_process_group``.
+
+        Built on :attr:`store`'s per-iteration connection, so process-group creation waiting for
+        a peer that faulted before joining is released by the restart.
+        """
+        return dist.PrefixStore(self._rt.keys.pg_prefix(self.iteration), self._rt.iteration_store())
 
     @property
     def restart_records(self) -> list[RestartRecord]:
@@ -225,7 +254,11 @@ class CallWrapper:
 
     @contextlib.contextmanager
     def tracking_process_group(self) -> Iterator[None]:
-        """Track the sockets of process groups made inside (``new_group``) for the CPU abort."""
+        """Track the sockets of process groups made inside (``new_group``) for the CPU abort.
+
+        Kept for compatibility: the default abort releases every socket opened during the
+        iteration, tracked or not, so wrapping group creation in this block is optional.
+        """
         with _transport.tracking():
             yield
 
@@ -287,6 +320,19 @@ class _Runtime(LoopMixin):
         self.frozen_gc = False
         self.completed = False
         self.last_fault_text: str | None = None
+        self.iter_store: dist.Store | None = None
+        self.rdzv_wrapped = False
+
+    def iteration_store(self) -> dist.Store:
+        """The wrapped function's store connection for this iteration (created on first use
+        and tracked, so the abort shuts it; see :attr:`CallWrapper.store`)."""
+        if self.iter_store is None:
+            before = _transport.snapshot()
+            store = co.clone_store(self.store)
+            if store is not self.store:
+                _transport.track_fds(_transport.snapshot() - before)
+            self.iter_store = store
+        return self.iter_store
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         saved = env_snapshot()
@@ -333,6 +379,11 @@ class _Runtime(LoopMixin):
                 "CallWrapper.init_process_group())"
             )
         self.state = State.from_env()
+        if "WORLD_SIZE" not in os.environ:
+            warnings.warn(
+                "trainguard: WORLD_SIZE is not set, so the wrapped function runs as a 1-rank "
+                "job; launch it with torchrun or `trainguard launch`, or set RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT", RuntimeWarning, stacklevel=4)
         gc.freeze()  # keeps restart-time gc.collect() to the call's own objects
         self.frozen_gc = True
         store_fn, base, port = self._store_source()
@@ -349,6 +400,10 @@ class _Runtime(LoopMixin):
         self.interrupter.install()
         self.interrupter.install_unraisable_hook()
         self.keys = co.Keys(call_id)
+        keys = self.keys
+        self.rdzv_wrapped = _rendezvous.namespace_rendezvous(
+            lambda: keys.user_prefix(self.state.iteration))
+        _pg_guard.install()
         self._initial_barrier()
         self.reassign(None)
 
@@ -422,5 +477,9 @@ class _Runtime(LoopMixin):
             wait_s = self.cfg.barrier_timeout_s + 5.0 if self.hosting else 5.0
             self.monitor.stop(wait_s)
         _transport.clear()
+        if self.rdzv_wrapped:
+            _rendezvous.restore_rendezvous()
+            self.rdzv_wrapped = False
+        _pg_guard.uninstall()  # after the barriers: no collective callback is still running
         if self.frozen_gc:
             gc.unfreeze()
