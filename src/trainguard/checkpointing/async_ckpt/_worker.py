@@ -2,12 +2,16 @@
 
 Loop: receive a JSON request header plus the pickled skeleton, map the staging arena, write the
 file(s) atomically (tmp -> fsync -> rename -> dir fsync) with xxh3 checksums, reply with a JSON
-record. Errors are replied as JSON records (errno, file, message), never as pickles. The worker
-exits when asked, when its pipe closes, or when its parent dies.
+record. Rank 0's writer also commits (``op: commit``): the DCP ``.metadata``, the manifest last,
+``latest`` and keep-last pruning, off the trainer's threads. Errors are replied as JSON records
+(errno, file, message), never as pickles; an I/O error inside ``torch.save`` is reported as the
+OSError itself (e.g. "No space left on device") with the path and sizes. The worker exits when
+asked, when its pipe closes (one line on stderr, no traceback), or when its parent dies.
 
 Fault injection (test seam): a request may carry ``fault`` = {"phase", "action", "errno"}; phases
-are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls) and ``reply``
-(after the files are durable, before replying); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
+are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls), ``reply``
+(after the files are durable, before replying) and ``commit`` (rank 0's writer, before the
+manifest); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
 """
 
 from __future__ import annotations
@@ -59,20 +63,55 @@ def _patched(fault: dict[str, Any] | None):
         setattr(os, name, original)
 
 
-def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int) -> dict:
+def _os_error_in_chain(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: torch.save turns a failed ``write()`` of its file object into
+    ``RuntimeError: unexpected pos``, keeping the OSError only as the context."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _free_bytes(storage, rel: str) -> str:
+    try:
+        st = os.statvfs(os.path.dirname(storage.full_path(rel)))
+    except (OSError, AttributeError, ValueError):
+        return "free space unknown"
+    return f"{st.f_bavail * st.f_frsize} bytes free"
+
+
+def _write_error(exc: BaseException, storage, rel: str, written: int, total: int) -> BaseException:
+    """Name the real I/O error (e.g. ENOSPC), the file and the sizes; other errors unchanged."""
+    err = _os_error_in_chain(exc)
+    if err is None or exc is err and err.filename:
+        return exc
+    reason = err.strerror or str(err)
+    return OSError(err.errno, f"{reason}: writing {storage.full_path(rel)} failed after {written} "
+                   f"of ~{total} bytes ({_free_bytes(storage, rel)} on that filesystem)")
+
+
+def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int, total: int) -> dict:
     import torch
 
-    f = storage.open_atomic(f"{rel_dir}/{name}" if rel_dir else name)
+    rel = f"{rel_dir}/{name}" if rel_dir else name
+    f = storage.open_atomic(rel)
     try:
         torch.save(obj, f)
         size, digest = f.commit()
-    except BaseException:
+    except BaseException as exc:
         f.abort()
-        raise
+        mapped = _write_error(exc, storage, rel, f.tell(), total)
+        if mapped is exc:
+            raise
+        raise mapped from exc
     return {name: {"size": size, "xxh3": digest, "rank": rank}}
 
 
-def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]:
+def _write_dcp(storage, rel_dir: str, obj: Any, rank: int, total: int) -> tuple[dict, bytes]:
     """Write this rank's items in DCP's file format; return file info and (plan, results)."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -98,9 +137,12 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length)))
         size, digest = f.commit()
-    except BaseException:
+    except BaseException as exc:
         f.abort()
-        raise
+        mapped = _write_error(exc, storage, f"{rel_dir}/{name}", f.tell(), total)
+        if mapped is exc:
+            raise
+        raise mapped from exc
     return {name: {"size": size, "xxh3": digest, "rank": rank}}, pickle.dumps((plan, results))
 
 
@@ -155,13 +197,24 @@ class _Worker:
         extra = None
         with _patched(fault):
             if req["kind"] == "dcp":
-                files, extra = _write_dcp(storage, req["dir"], obj, req["rank"])
+                files, extra = _write_dcp(storage, req["dir"], obj, req["rank"], offset)
             else:
-                files = _write_torch(storage, req["dir"], req["file"], obj, req["rank"])
+                files = _write_torch(storage, req["dir"], req["file"], obj, req["rank"], offset)
         del obj
         if fault and fault["phase"] == "reply":
             _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
         return {"id": req["id"], "ok": True, "files": files}, extra
+
+    def commit(self, req: dict[str, Any]) -> tuple[dict, bytes | None]:
+        """Rank 0's writer: write the manifest of a save every rank wrote, then prune."""
+        from trainguard.checkpointing.async_ckpt._commit import run_commit
+
+        extras = pickle.loads(self.conn.recv_bytes()) if req.get("has_extras") else None
+        fault = req.get("fault")
+        if fault and fault["phase"] == "commit":
+            _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        return {"id": req["id"], "op": "commit", **run_commit(self.storage(req["storage"]), req,
+                                                              extras)}, None
 
     def handle(self, req: dict[str, Any]) -> bool:
         if req["op"] == "exit":
@@ -173,20 +226,19 @@ class _Worker:
             self.receive_arena(req["arena"])
         t0 = time.monotonic()
         try:
-            reply, extra = self.save(req)
+            reply, extra = self.commit(req) if req["op"] == "commit" else self.save(req)
         except Exception as exc:  # noqa: BLE001 - every write failure goes back to the trainer as a record
             reply, extra = {
-                "id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                "id": req["id"], "op": req["op"], "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
                 "errno": getattr(exc, "errno", None), "file": getattr(exc, "filename", None),
             }, None
         reply["write_s"] = time.monotonic() - t0
         reply["has_extra"] = extra is not None
-        try:
-            self.conn.send_bytes(json.dumps(reply).encode())
-            if extra is not None:
-                self.conn.send_bytes(extra)
-        except OSError:  # the trainer is gone (crash or abort): nobody to report to
-            return False
+        # OSError (BrokenPipeError): the trainer is gone; worker_main logs one line and exits
+        self.conn.send_bytes(json.dumps(reply).encode())
+        if extra is not None:
+            self.conn.send_bytes(extra)
         return True
 
     def run(self) -> None:
@@ -224,12 +276,23 @@ def worker_main(conn, parent_pid: int, rank: int, nice: int = 0) -> None:
             pass
     _fast_torch_save()
     worker = _Worker(conn, parent_pid)
-    conn.send_bytes(json.dumps({"ready": True, "pid": os.getpid()}).encode())
     try:
+        conn.send_bytes(json.dumps({"ready": True, "pid": os.getpid()}).encode())
         worker.run()
+    except (OSError, EOFError) as exc:  # the trainer closed its end (restart, abort, crash)
+        _log_quiet_exit(rank, exc)
     finally:
         for path in list(worker.maps):
             worker.release(path)
+
+
+def _log_quiet_exit(rank: int, exc: BaseException) -> None:
+    """One line instead of a traceback in the rank's log: a closed pipe is a normal way to end."""
+    import sys
+
+    sys.stderr.write(f"trainguard checkpoint writer pid {os.getpid()} (rank {rank}): the trainer "
+                     f"closed the connection ({type(exc).__name__}); exiting\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
