@@ -435,9 +435,8 @@ class AsyncCheckpointer(LoadMixin):
                 if not blocking and head.state is SaveState.COMMITTING:
                     break  # rank 0's writer commits now; a later call agrees on the outcome
             if head.state is SaveState.COMMITTING:
-                if blocking:
-                    self._pump(head, blocking=True)
-                elif not self._all_ready(head, not self._owes(head)):
+                self._pump(head, blocking)  # rank 0: the commit reply; other ranks owe nothing
+                if not blocking and not self._all_ready(head, not self._owes(head)):
                     break
                 self._agree_committed(head)
             self.queue.popleft()

@@ -10,8 +10,9 @@ asked, when its pipe closes (one line on stderr, no traceback), or when its pare
 
 Fault injection (test seam): a request may carry ``fault`` = {"phase", "action", "errno"}; phases
 are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls), ``reply``
-(after the files are durable, before replying) and ``commit`` (rank 0's writer, before the
-manifest); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
+(after the files are durable, before replying), ``commit`` (rank 0's writer, before the
+manifest) and ``commit:write``/``commit:fsync``/``commit:replace`` (patched during the commit;
+``target`` limits the fault to calls naming that file, e.g. ``latest``); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
 """
 
 from __future__ import annotations
@@ -43,17 +44,23 @@ def _act(action: str, err: int) -> None:
 
 
 @contextmanager
-def _patched(fault: dict[str, Any] | None):
-    """Patch os.write/os.fsync/os.replace to fire ``fault`` on its first call."""
-    phase = (fault or {}).get("phase")
-    if phase not in _OS_CALLS:
+def _patched(fault: dict[str, Any] | None, prefix: str = ""):
+    """Patch os.write/os.fsync/os.replace to fire ``fault`` on its first call (on the first call
+    naming a file called ``fault["target"]``, if given). ``prefix`` selects commit-time phases
+    (``commit:replace`` ...)."""
+    phase = (fault or {}).get("phase") or ""
+    if not phase.startswith(prefix) or phase[len(prefix):] not in _OS_CALLS:
         yield
         return
-    name = _OS_CALLS[phase]
+    assert fault is not None
+    name = _OS_CALLS[phase[len(prefix):]]
     original = getattr(os, name)
+    target = fault.get("target")
 
     def faulty(*args, **kwargs):
-        _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        names = {os.path.basename(os.fspath(a)) for a in args if isinstance(a, (str, os.PathLike))}
+        if target is None or target in names:
+            _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
         return original(*args, **kwargs)
 
     setattr(os, name, faulty)
@@ -213,8 +220,9 @@ class _Worker:
         fault = req.get("fault")
         if fault and fault["phase"] == "commit":
             _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
-        return {"id": req["id"], "op": "commit", **run_commit(self.storage(req["storage"]), req,
-                                                              extras)}, None
+        with _patched(fault, prefix="commit:"):
+            reply = run_commit(self.storage(req["storage"]), req, extras)
+        return {"id": req["id"], "op": "commit", **reply}, None
 
     def handle(self, req: dict[str, Any]) -> bool:
         if req["op"] == "exit":
