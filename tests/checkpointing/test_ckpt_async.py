@@ -43,7 +43,8 @@ def _state(v: float = 1.0):
 
 @pytest.mark.timeout(90)
 def test_round_trip_snapshot_and_torch_load(tmp_path):
-    with AsyncCheckpointer(tmp_path / "ck", keep_last=2) as ck:
+    with AsyncCheckpointer(tmp_path / "ck", keep_last=2) as ck, \
+            torch.serialization.safe_globals([Point]):  # a user type, allowed for loading
         state = _state(1.0)
         state["user"] = Point(3)
         ck.save(state, 1)
@@ -52,7 +53,7 @@ def test_round_trip_snapshot_and_torch_load(tmp_path):
         state["optim"]["state"][0]["step"].fill_(2.0)
         state["view"].zero_()
         assert ck.wait() == [1]
-        obj, step = ck.load(weights_only=False)
+        obj, step = ck.load()
         assert step == 1 and obj["optim"]["state"][0]["step"].item() == 1.0
         assert torch.equal(obj["model"]["w"], torch.full((256, 64), 1.0))
         assert torch.equal(obj["view"], torch.arange(10.0, 20.0))
@@ -129,25 +130,29 @@ def test_enospc_edquot_eacces_on_write_fsync_rename(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_manifest_commit_enospc(tmp_path, monkeypatch):
-    ck = AsyncCheckpointer(tmp_path)
+def test_commit_runs_in_the_writer_and_its_enospc_is_a_write_error(tmp_path, monkeypatch):
+    """Issue 14: manifest fsyncs and pruning run in the writer, not on the trainer's thread; a
+    full disk at the manifest is still a CheckpointWriteError on the trainer."""
+    ck = AsyncCheckpointer(tmp_path, keep_last=1,
+                           faults={2: {"phase": "commit", "action": "errno", "errno": errno.ENOSPC}})
     try:
         ck.save(_state(1.0), 1)
         ck.wait()
         ck.save(_state(2.0), 2)
-        while not ck.is_written(ck.queue[0]):
-            time.sleep(0.01)
-
-        def no_space(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(os, "replace", no_space)  # the trainer's manifest rename fails
-        with pytest.raises(CheckpointWriteError, match="commit of manifest failed"):
+        with pytest.raises(CheckpointWriteError, match="commit of manifest failed.*No space"):
             ck.wait()
-        monkeypatch.undo()
         assert ck.manager.committed_steps() == [1] and ck.load()[1] == 1
+
+        def trainer_io(*a, **k):
+            raise AssertionError("the trainer wrote a checkpoint file itself")
+
+        for name in ("replace", "fsync", "write"):  # the trainer process may not do the commit
+            monkeypatch.setattr(os, name, trainer_io)
         ck.save(_state(3.0), 3)
         assert ck.wait() == [3]
+        monkeypatch.undo()
+        assert ck.manager.committed_steps() == [3]  # committed and pruned by the writer
+        assert ck.load()[0]["model"]["w"][0, 0].item() == 3.0
     finally:
         ck.close(finalize=False)
 

@@ -7,25 +7,27 @@ import errno
 import pytest
 import torch
 
-from trainguard.checkpointing import CheckpointManager, CheckpointWriteError
-from trainguard.checkpointing.async_ckpt._commit import commit_collective
+from trainguard.checkpointing import AsyncCheckpointer, CheckpointWriteError
 
 
+@pytest.mark.timeout(60)
 def test_failed_save_whose_leftovers_cannot_be_removed_still_raises_write_error(tmp_path,
                                                                                monkeypatch):
     """A read-only filesystem mid-run: the write failed, and removing the failed save's
     directory fails too (EROFS). The coordinator must not die with a raw OSError before it tells
     the other ranks the outcome (they would wait for the whole collective timeout)."""
-    manager = CheckpointManager(tmp_path)
+    ck = AsyncCheckpointer(tmp_path, faults={2: {"phase": "write", "action": "errno",
+                                                 "errno": errno.EROFS}})
+    try:
+        def remove(rel):
+            raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / rel))
 
-    def remove(rel):
-        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / rel))
-
-    monkeypatch.setattr(manager.storage, "remove", remove)
-    record = {"step": 2, "rank": 0, "ok": False, "kind": "torch", "files": {},
-              "error": "OSError: [Errno 30] Read-only file system"}
-    with pytest.raises(CheckpointWriteError, match="Read-only file system"):
-        commit_collective(manager, record, None, None, 0, 1)
+        monkeypatch.setattr(ck.manager.storage, "remove", remove)
+        ck.save({"w": torch.ones(4)}, 2)
+        with pytest.raises(CheckpointWriteError, match="Read-only file system"):
+            ck.wait()
+    finally:
+        ck.close(finalize=False)
 
 
 @pytest.mark.timeout(60)

@@ -102,29 +102,21 @@ def test_automodel_3390_edquot_on_latest_update_then_resave(tmp_path, monkeypatc
     """https://github.com/NVIDIA-NeMo/Automodel/issues/3390: EDQUOT while updating ``LATEST``
     led to a stale resume and then ``FileExistsError`` when the step was saved again.
 
-    The rename of the ``latest`` pointer fails with EDQUOT (real ``os.replace`` error on that
-    path only). The failure is reported; a resume follows the commit markers (manifests), not
+    The rename of the ``latest`` pointer fails with EDQUOT (``os.replace`` of that path only,
+    in the writer process that commits). The failure is reported; a resume follows the commit markers (manifests), not
     the stale pointer, and loads a complete checkpoint; saving the same step again succeeds (no
     ``FileExistsError``) and leaves ``latest`` pointing at it.
     """
-    ck = AsyncCheckpointer(tmp_path, keep_last=3)
-    real_replace = os.replace
-
-    def quota_on_latest(src, dst, *a, **k):
-        if os.path.basename(os.fspath(dst)) == "latest":
-            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), os.fspath(dst))
-        return real_replace(src, dst, *a, **k)
-
+    quota_on_latest = {"phase": "commit:replace", "target": "latest", "action": "errno",
+                       "errno": errno.EDQUOT}  # in the writer, which commits
+    ck = AsyncCheckpointer(tmp_path, keep_last=3, faults={2: quota_on_latest})
     try:
         ck.save({"w": torch.full((1024,), 1.0)}, 1)
         assert ck.wait() == [1]
         ck.save({"w": torch.full((1024,), 2.0)}, 2)
-        while not ck.is_written(ck.queue[0]):
-            time.sleep(0.01)
-        monkeypatch.setattr(os, "replace", quota_on_latest)
         with pytest.raises(CheckpointWriteError, match="quota"):
             ck.wait()
-        monkeypatch.undo()
+        ck.faults.clear()
         assert (tmp_path / "latest").read_text().strip() == "1"  # stale pointer
         resume = CheckpointManager(tmp_path)  # a fresh process resuming
         obj, step = resume.load()

@@ -152,13 +152,19 @@ class CheckpointManager:
         if prune:
             self.prune()
 
-    def prune(self) -> list[int]:
+    def prune(self, protect: int | None = None) -> list[int]:
         """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted
-        steps older than the newest commit. Returns the removed steps."""
+        steps older than the newest commit. Returns the removed steps.
+
+        ``protect`` (the step just committed) is never removed, even when newer steps exist: a
+        save reported committed is never deleted by its own commit.
+        """
         committed = self.committed_steps()
         if not committed:
             return []
         keep = set(committed[-self.keep_last :])
+        if protect is not None:
+            keep.add(protect)
         removed = [s for s in self.all_steps() if s not in keep and s < committed[-1]]
         for step in removed:
             self.storage.remove(self.step_dir(step))
@@ -220,9 +226,15 @@ class CheckpointManager:
 
     def load_file(self, step: int, name: str, map_location: Any = "cpu",
                   weights_only: bool = True) -> Any:
-        """Verify and ``torch.load`` one file of a committed step."""
+        """Verify and ``torch.load`` one file of a committed step.
+
+        With ``weights_only`` (the default) NumPy arrays, scalars and RNG states load too (see
+        :mod:`trainguard.checkpointing._loadable`).
+        """
+        from trainguard.checkpointing._loadable import load_context
+
         self.verify(step, [name])
-        with self.storage.open_read(f"{self.step_dir(step)}/{name}") as f:
+        with self.storage.open_read(f"{self.step_dir(step)}/{name}") as f, load_context():
             return torch.load(f, map_location=map_location, weights_only=weights_only)
 
     def load(self, step: int | None = None, rank: int = 0, world_size: int | None = None,

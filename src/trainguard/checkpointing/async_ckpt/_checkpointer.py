@@ -25,18 +25,30 @@ from trainguard._core.clock import Deadline, as_seconds
 from trainguard._core.hooks import register_reset_callback
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing import _staging
-from trainguard.checkpointing.async_ckpt._commit import commit_collective, raise_for_failures
+from trainguard.checkpointing._loadable import check_loadable
+from trainguard.checkpointing.async_ckpt._commit import (
+    check_same_save,
+    commit_header,
+    raise_for_failures,
+)
 from trainguard.checkpointing.async_ckpt._loading import LoadMixin
-from trainguard.checkpointing.async_ckpt._request import SaveRequest
+from trainguard.checkpointing.async_ckpt._request import SaveRequest, SaveState
+from trainguard.checkpointing.async_ckpt._reuse import (
+    ExistingRun,
+    join_run_id,
+    refuse_step,
+    scan_existing,
+)
 from trainguard.checkpointing.async_ckpt._writer import ArenaPool, WriterDied, WriterProcess
 from trainguard.checkpointing.errors import (
+    CheckpointError,
     CheckpointTimeout,
     CheckpointWriteError,
 )
 from trainguard.checkpointing.manager import CheckpointManager, rank_file
 from trainguard.errors import ConfigError
 
-__all__ = ["AsyncCheckpointer", "SaveRequest"]
+__all__ = ["AsyncCheckpointer", "SaveRequest", "SaveState"]
 
 _log = get_logger("trainguard.checkpointing")
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
@@ -67,6 +79,11 @@ class AsyncCheckpointer(LoadMixin):
         staging_budget_bytes: cap on all staging arenas together (None: max_in_flight x state);
             saves wait for older writes to fit, and a state larger than the cap raises
             ConfigError up front instead of exhausting host memory.
+        run_id: optional name of this run: checkpoints go to ``root/run_id``, so a new run
+            (e.g. a different world size with ``format="torch"``) does not meet an earlier
+            run's checkpoints. Without it, a directory that already holds committed steps is
+            resumed from (``load()``, then save newer steps); ``save`` refuses a step that is not
+            newer than the newest committed one with a ConfigError naming these fixes.
         on_error: ``"raise"`` (default) or ``"log"``: a failed save is logged and counted in
             ``failed_saves`` and training continues (the next save retries).
         writer_nice: niceness added to the writer (e.g. 10 on CPU-bound trainers; 0 = same).
@@ -74,6 +91,14 @@ class AsyncCheckpointer(LoadMixin):
             of the aborted iteration), so the saves after an in-process restart do not wait
             seconds for a fresh writer to import torch; a busy writer is always killed.
         faults: test seam, step -> fault dict for the writer (see ``_worker``).
+
+    The writer process is started here (it imports torch while training runs), so no save pays
+    for its start-up; :meth:`warmup` also waits for it and pre-allocates the staging memory.
+    The commit (manifest fsyncs, keep-last pruning) runs in rank 0's writer; the trainers only
+    agree on the outcome.
+
+    Raises:
+        ConfigError: a bad argument, or an unwritable ``root``.
 
     Failure contract:
         * a dead, stuck or failing writer, or a failed commit, raises ``CheckpointWriteError``
@@ -91,7 +116,7 @@ class AsyncCheckpointer(LoadMixin):
                  collective_timeout: float | timedelta = 600.0, max_in_flight: int = 2,
                  staging_budget_bytes: int | None = None, use_dist: bool | None = None,
                  writer_nice: int = 0, on_error: str = "raise", keep_idle_writer: bool = False,
-                 faults: dict[int, dict] | None = None) -> None:
+                 faults: dict[int, dict] | None = None, run_id: str | None = None) -> None:
         if format not in ("torch", "dcp"):
             raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
@@ -111,6 +136,7 @@ class AsyncCheckpointer(LoadMixin):
         self.use_dist = dist.is_available() and dist.is_initialized() if use_dist is None else use_dist
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
+        root = join_run_id(root, run_id)
         self.manager = CheckpointManager(root, keep_last) if root is not None else None
         self.faults = dict(faults or {})
         self.writer = WriterProcess(self.rank, writer_nice)
@@ -123,19 +149,75 @@ class AsyncCheckpointer(LoadMixin):
         self.queue: deque[SaveRequest] = deque()
         self._group: Any = None
         self._last_step: int | None = None
+        self._existing: ExistingRun | None = None  # an earlier run's newest commit, if any
+        self._newest: int | None = None  # newest step committed in the directory
         self._closed = False
-        if self.manager is not None:
-            self._check_writable()
-            if self.rank == 0:
-                self.manager.cleanup_stale()
-            if self.use_dist:  # no rank may start writing before the leftovers are gone
-                self._collective(dist.barrier, group=self._ensure_group())
         _INSTANCES.add(self)
         self._finalizer = weakref.finalize(self, _release, self.writer, self.pool)
+        self.writer.ensure_started()  # the child imports torch while the trainer goes on
         if self.manager is not None:
-            self.writer.ensure_started()  # warm up: the child imports torch while training runs
+            try:
+                self._check_writable()
+                self._scan_directory()
+            except BaseException:
+                self._finalizer()
+                raise
 
     # -- setup -------------------------------------------------------------------------------
+    def _scan_directory(self) -> None:
+        """Rank 0 removes leftovers and finds the newest commit; every rank learns it (the
+        broadcast also keeps any rank from writing before the leftovers are gone)."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            self.manager.cleanup_stale()  # type: ignore[union-attr]
+            found = scan_existing(self.manager)  # type: ignore[arg-type]
+            box[0] = found.to_list() if found is not None else None
+        if self.use_dist:
+            group = self._ensure_group()
+            self._collective(dist.broadcast_object_list, box,
+                             src=dist.get_global_rank(group, 0), group=group)
+        if box[0] is not None:
+            self._existing = ExistingRun(*box[0])
+            self._newest = self._existing.step
+
+    def warmup(self, state_dict: Any = None, timeout: float | timedelta = 120.0) -> None:
+        """Wait until the writer process is ready, and pre-allocate staging memory for a state
+        like ``state_dict`` (optional), so that even the first save blocks only for its memcpy.
+
+        Local to this rank, no collective. Blocks up to ``timeout`` (seconds or timedelta) for
+        the writer to import torch (typically 1-2 s on a busy machine), plus the first touch of
+        the staging memory (about state size / memory bandwidth).
+
+        Raises:
+            CheckpointWorkerError: the writer died or did not start within ``timeout``.
+        """
+        from trainguard.checkpointing.errors import CheckpointWorkerError
+
+        deadline = Deadline(as_seconds(timeout, "timeout"))
+        self.writer.ensure_started()
+        try:
+            while not self.writer.ready:
+                got = self.writer.recv(deadline.chunk(0.5))
+                if got is not None and not got[0].get("ready"):
+                    self._on_reply(*got)
+                if deadline.expired() and not self.writer.ready:
+                    raise CheckpointWorkerError(
+                        f"rank {self.rank}: checkpoint {self.writer.describe()} not ready after "
+                        f"{deadline.elapsed():.1f} s (warmup timeout)", {self.rank: "not ready"})
+        except WriterDied as exc:
+            self._fail_pending(str(exc), dead=True)
+            raise CheckpointWorkerError(f"rank {self.rank}: checkpoint writer died during warmup: "
+                                        f"{exc}", {self.rank: str(exc)}) from exc
+        if state_dict is not None:
+            skeleton, tensors = _staging.flatten(state_dict)
+            slots, total = _staging.plan_slots(tensors)
+            trailer = pickle.dumps(([x.to_json() for x in slots],
+                                    _staging.pickle_skeleton(skeleton)), protocol=5)
+            nbytes = total + len(trailer)
+            if self.pool.count() == 0 and self.pool.can_acquire(nbytes):
+                self.pool.acquire(nbytes, -1, self._retire)
+                self.pool.release(-1)
+
     def _check_writable(self) -> None:
         try:
             self.manager.storage.makedirs("")  # type: ignore[union-attr]
@@ -169,18 +251,23 @@ class AsyncCheckpointer(LoadMixin):
         the caller may mutate its tensors. Commit happens in :meth:`maybe_finalize`.
 
         Raises:
-            ConfigError: no root, a bad step (not an int, or not newer than the last commit), or a
-                state that the chosen format cannot hold.
-            StateDictError: a value cannot be pickled (the key is named).
+            ConfigError: no root, a bad step (not an int, or not newer than the newest step
+                committed in the directory or queued: an earlier run's checkpoints are resumed
+                from or refused, see ``run_id``), or a state that the chosen format cannot hold.
+            StateDictError: a value cannot be pickled, or (format ``torch``) could not be loaded
+                back by ``torch.load(weights_only=True)``; the key is named and nothing is
+                written. NumPy arrays, scalars and RNG states are allowed.
         """
         if self.manager is None:
             raise ConfigError("save() needs AsyncCheckpointer(root=...); use async_save(obj, path) "
                               "for plain per-rank files")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
-        if self._last_step is not None and step <= self._last_step:
-            raise ConfigError(f"step {step} is not newer than the last committed step "
-                              f"{self._last_step}; checkpoints are never overwritten")
+        queued = [r.step for r in self.queue if r.step is not None]
+        newest = max([*queued, *([self._newest] if self._newest is not None else [])], default=None)
+        if newest is not None and step <= newest:
+            refuse_step(step, newest, self._existing, self.world_size, self.format,
+                        self.manager.storage.url)
         if self.format == "dcp" and not (isinstance(state_dict, dict)
                                          and all(isinstance(k, str) for k in state_dict)):
             raise ConfigError("format='dcp' needs a dict with str keys (DCP flattens nested dicts)")
@@ -211,6 +298,8 @@ class AsyncCheckpointer(LoadMixin):
         t0 = time.perf_counter()
         skeleton, tensors = _staging.flatten(obj)
         payload = _staging.pickle_skeleton(skeleton)
+        if collective and kind == "torch":  # never commit what the default load refuses
+            check_loadable(skeleton, _staging.TensorRef)
         slots, total = _staging.plan_slots(tensors)
         req = SaveRequest(next(_ids), step, kind, rel_dir, file, url, collective,
                           Deadline(self.write_timeout_s), list(finalize_fns), t_submit=t0)
@@ -256,23 +345,32 @@ class AsyncCheckpointer(LoadMixin):
                 f"staging_budget_bytes={budget}; raise the budget or checkpoint fewer/smaller "
                 "tensors per rank (e.g. shard the state)")
         while not self.pool.can_acquire(nbytes):
-            oldest = next((r for r in self.queue if r.state == "writing"), None)
+            oldest = next((r for r in self.queue if r.state is SaveState.WRITING), None)
             if oldest is None:
                 break  # nothing in flight holds memory; acquire() replaces the free arenas
             self._pump(oldest, blocking=True)
 
     # -- worker replies ---------------------------------------------------------------------
+    def _owes(self, req: SaveRequest) -> bool:
+        """Does this rank's writer still owe a reply for ``req`` (its write or its commit)?"""
+        return req.state is SaveState.WRITING or req.commit_pending
+
     def _fail_pending(self, message: str, dead: bool) -> None:
         for req in self.queue:
-            if req.state == "writing":
-                req.state = "failed"
+            if req.state is SaveState.WRITING:
+                req.state = SaveState.FAILED
                 req.record = {"ok": False, "error": message, "dead": dead}
                 self.pool.release(req.id)
+            elif req.commit_pending:
+                req.commit_pending = False
+                req.commit_record = {"ok": False, "error": message, "dead": dead}
         self.writer.kill()
 
     def _pump(self, target: SaveRequest, blocking: bool) -> None:
-        """Read writer replies until ``target`` is no longer writing (or one poll if not blocking)."""
-        while target.state == "writing":
+        """Read writer replies until the writer owes none for ``target`` (or one poll if not
+        blocking). A writer that sends nothing for ``write_timeout`` while owing a reply is stuck:
+        it is killed and every reply it owed becomes a failure."""
+        while self._owes(target):
             wait_s = 0.0
             if blocking:
                 wait_s = min(0.5, target.deadline.remaining()) if self.writer.ready else 0.5
@@ -299,47 +397,68 @@ class AsyncCheckpointer(LoadMixin):
     def _on_reply(self, reply: dict[str, Any], extra: bytes | None) -> None:
         if not reply.get("ready"):
             req = next((r for r in self.queue if r.id == reply["id"]), None)
-            if req is not None:
-                req.state = "written" if reply["ok"] else "failed"
+            if req is not None and reply.get("op") == "commit":
+                req.commit_pending, req.commit_record = False, reply
+            elif req is not None and req.state is SaveState.WRITING:
+                req.state = SaveState.WRITTEN if reply["ok"] else SaveState.FAILED
                 req.record, req.extra = reply, extra
                 self.pool.release(req.id)
-        # write_timeout counts from when the writer can start a request, not from its queueing
-        nxt = next((r for r in self.queue if r.state == "writing"), None)
-        if nxt is not None:
-            nxt.deadline = Deadline(self.write_timeout_s)
+        # write_timeout counts from when the writer can work on a request, not from its queueing
+        for req in self.queue:
+            if self._owes(req):
+                req.deadline = Deadline(self.write_timeout_s)
 
     # -- finalize ----------------------------------------------------------------------------
     def maybe_finalize(self, blocking: bool = False) -> list[int | None]:
         """Finalize finished saves in FIFO order; returns their steps (None for async_save files).
 
-        Non-blocking: one scalar all-reduce per call tells whether the head finished on every
-        rank. Blocking: waits (bounded by write_timeout + collective_timeout) for all saves.
+        A save passes two agreements: every rank wrote it (then rank 0's writer commits it:
+        manifest, ``latest``, pruning), and the commit succeeded. Non-blocking: one scalar
+        all-reduce per call and agreement, never a wait for I/O. Blocking: waits (bounded by
+        write_timeout + collective_timeout per save) for all saves.
 
         Raises:
             CheckpointWriteError / CheckpointWorkerError: a save failed on some rank (all ranks
                 raise, the failed save is dropped, later saves stay queued).
             CheckpointTimeout: a collective of the finalize timed out.
+            CheckpointError: a collective failed otherwise (a peer is gone), or ranks finalize
+                different saves.
         """
         done: list[int | None] = []
         while self.queue:
             head = self.queue[0]
-            self._pump(head, blocking)
-            if not blocking and not self._all_ready(head):
-                break
+            if head.state is not SaveState.COMMITTING:
+                self._pump(head, blocking)
+                if not blocking and not self._all_ready(head, head.state is not SaveState.WRITING):
+                    break
+                self._agree_written(head)
+                if not blocking and head.state is SaveState.COMMITTING:
+                    break  # rank 0's writer commits now; a later call agrees on the outcome
+            if head.state is SaveState.COMMITTING:
+                self._pump(head, blocking)  # rank 0: the commit reply; other ranks owe nothing
+                if not blocking and not self._all_ready(head, not self._owes(head)):
+                    break
+                self._agree_committed(head)
             self.queue.popleft()
-            try:
-                self._finalize(head)
-            except CheckpointWriteError as exc:
-                if self.on_error == "raise":
-                    raise
-                self.failed_saves += 1
-                _log.warning("checkpoint save failed (on_error='log', continuing): %s", exc)
+            if head.state is SaveState.FAILED:
+                try:
+                    raise_for_failures(head.step, head.record["failures"], head.record["dead"])
+                except CheckpointWriteError as exc:
+                    if self.on_error == "raise":
+                        raise
+                    self.failed_saves += 1
+                    _log.warning("checkpoint save failed (on_error='log', continuing): %s", exc)
                 continue
+            head.durable_s = time.perf_counter() - head.t_submit
+            if head.collective:
+                self._last_step = head.step
+                self._newest = max(head.step, self._newest or 0)  # type: ignore[type-var]
+            for fn in head.finalize_fns:
+                fn()
             done.append(head.step)
         return done
 
-    def _all_ready(self, head: SaveRequest) -> bool:
-        ready = head.state != "writing"
+    def _all_ready(self, head: SaveRequest, ready: bool) -> bool:
         if not head.collective or not self.use_dist:
             return ready
         flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
@@ -347,42 +466,108 @@ class AsyncCheckpointer(LoadMixin):
         return bool(flag.item())
 
     def _collective(self, fn: Callable, *args: Any, **kwargs: Any) -> None:
+        """Run one collective on the checkpointer's group; its failure is mapped here, once.
+
+        gloo raises a plain RuntimeError both for a timeout and for a peer that closed its
+        connection; they are told apart by the call's duration against the group's timeout.
+
+        Raises:
+            CheckpointTimeout: the call failed after (about) ``collective_timeout``.
+            CheckpointError: it failed earlier (a peer rank died or its group was aborted).
+        """
+        t0 = time.monotonic()
         try:
             fn(*args, **kwargs)
-        except RuntimeError as exc:
-            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-                raise CheckpointTimeout(f"checkpoint collective {fn.__name__} timed out after "
-                                        f"{self.collective_timeout_s:.1f} s: {exc}") from exc
-            raise
+        except RuntimeError as exc:  # torch.distributed.DistError and gloo's untyped errors
+            elapsed, name = time.monotonic() - t0, getattr(fn, "__name__", "collective")
+            if elapsed >= 0.95 * self.collective_timeout_s:
+                raise CheckpointTimeout(
+                    f"rank {self.rank}: checkpoint collective {name} timed out after "
+                    f"{elapsed:.1f} s (collective_timeout {self.collective_timeout_s:.1f} s): "
+                    f"{exc}") from exc
+            raise CheckpointError(
+                f"rank {self.rank}: checkpoint collective {name} failed after {elapsed:.1f} s "
+                f"(a peer rank is gone or the group was aborted): {exc}") from exc
 
-    def _finalize(self, req: SaveRequest) -> None:
-        record = {"rank": self.rank, "step": req.step, "kind": req.kind,
-                  "ok": req.record.get("ok", False), "error": req.record.get("error"),
-                  "dead": req.record.get("dead", False), "files": req.record.get("files", {})}
-        if req.collective:
-            group = self._group if self.use_dist else None
-            try:
-                commit_collective(self.manager, record, req.extra, group, self.rank,  # type: ignore[arg-type]
-                                  self.world_size)
-            except RuntimeError as exc:
-                if "timeout" in str(exc).lower():
-                    raise CheckpointTimeout(f"finalize of step {req.step} timed out: {exc}") from exc
-                raise
-            req.durable_s = time.perf_counter() - req.t_submit
-            self._last_step = req.step
-            if self.rank == 0:
-                self.manager.prune()  # type: ignore[union-attr]
-        else:
+    def _agree_written(self, head: SaveRequest) -> None:
+        """Gather every rank's write record; on success rank 0 asks its writer to commit
+        (state COMMITTING), otherwise the save is FAILED on every rank (rank 0 removes it)."""
+        record = {"rank": self.rank, "step": head.step, "kind": head.kind,
+                  "ok": head.record.get("ok", False), "error": head.record.get("error"),
+                  "dead": head.record.get("dead", False), "files": head.record.get("files", {})}
+        if not head.collective:
             failures = {} if record["ok"] else {self.rank: record["error"]}
-            raise_for_failures(None, failures, record["dead"])
-            req.durable_s = time.perf_counter() - req.t_submit
-        for fn in req.finalize_fns:
-            fn()
+            self._set_outcome(head, failures, record["dead"])
+            return
+        gathered: list[Any] = [(record, head.extra)]
+        if self.use_dist:
+            gathered = [None] * self.world_size
+            self._collective(dist.all_gather_object, gathered, (record, head.extra),
+                             group=self._group)
+        records = [g[0] for g in gathered]
+        check_same_save(records)
+        failures = {r["rank"]: r["error"] for r in records if not r["ok"]}
+        if failures:
+            self._discard(head, failures, any(r.get("dead") for r in records))
+            return
+        head.state = SaveState.COMMITTING
+        if self.rank == 0:
+            self._send_commit(head, records, [g[1] for g in gathered])
+
+    def _send_commit(self, head: SaveRequest, records: list[dict], extras: list[Any]) -> None:
+        fault = self.faults.get(head.step) if head.step is not None else None
+        header = commit_header(head.id, records, self.world_size, head.rel_dir, head.storage_url,
+                               self.manager.keep_last, fault)  # type: ignore[union-attr]
+        payload = pickle.dumps(extras) if head.kind == "dcp" else None
+        head.commit_pending, head.deadline = True, Deadline(self.write_timeout_s)
+        try:
+            self.writer.ensure_started()
+            self.writer.send({**header, "has_extras": payload is not None}, payload)
+        except WriterDied as exc:
+            self._fail_pending(f"{exc} (commit of step {head.step})", dead=True)
+
+    def _discard(self, head: SaveRequest, failures: dict[int, str], dead: bool) -> None:
+        """A save failed on some rank: rank 0 removes its directory, then every rank learns that
+        the removal is over (so a retry of the step cannot race it) and marks it FAILED."""
+        if self.rank == 0:
+            try:  # uncommitted leftovers of the failed save; may fail too (EROFS, EIO)
+                self.manager.storage.remove(head.rel_dir)  # type: ignore[union-attr]
+            except OSError as exc:  # the outcome must still reach every rank
+                _log.warning("could not remove the failed save's directory %s: %s",
+                             head.rel_dir, exc)
+        if self.use_dist:
+            self._collective(dist.barrier, group=self._group)
+        self._set_outcome(head, failures, dead)
+
+    def _agree_committed(self, head: SaveRequest) -> None:
+        """Rank 0 tells every rank whether its writer committed the save."""
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            rec = head.commit_record
+            if not rec.get("ok"):
+                outcome[0] = (f"commit of manifest failed: {rec.get('error')}",
+                              bool(rec.get("dead")))
+            elif rec.get("prune_error"):
+                _log.warning("step %s committed, but pruning older checkpoints failed: %s",
+                             head.step, rec["prune_error"])
+        if self.use_dist:
+            self._collective(dist.broadcast_object_list, outcome,
+                             src=dist.get_global_rank(self._group, 0), group=self._group)
+        if outcome[0] is None:
+            self._set_outcome(head, {}, False)
+        else:
+            self._set_outcome(head, {0: outcome[0][0]}, outcome[0][1])
+
+    @staticmethod
+    def _set_outcome(head: SaveRequest, failures: dict[int, str], dead: bool) -> None:
+        head.commit_pending = False
+        head.state = SaveState.FAILED if failures else SaveState.COMMITTED
+        head.record = {**head.record, "failures": failures, "dead": dead}
 
     def is_written(self, req: SaveRequest) -> bool:
         """Local, non-blocking: has the writer finished ``req`` (successfully or not)?"""
         self._pump(req, blocking=False)
-        return req.state != "writing"
+        return req.state is not SaveState.WRITING
 
     def wait(self) -> list[int | None]:
         """Blocking finalize of everything queued (see :meth:`maybe_finalize`)."""
@@ -396,7 +581,7 @@ class AsyncCheckpointer(LoadMixin):
     def durability_lag_s(self) -> float:
         """Seconds since the oldest unfinalized save was staged (0.0 when none): how far the
         newest durable checkpoint trails training, e.g. behind a stalled file system."""
-        return self.queue[0].deadline.elapsed() if self.queue else 0.0
+        return time.perf_counter() - self.queue[0].t_submit if self.queue else 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def abort(self) -> None:
@@ -407,7 +592,7 @@ class AsyncCheckpointer(LoadMixin):
         ``keep_idle_writer`` a writer that owes no reply is kept.
         """
         if not (self.keep_idle_writer and self.writer.alive()
-                and all(r.state != "writing" for r in self.queue)):
+                and not any(self._owes(r) for r in self.queue)):
             self.writer.kill()
         for req in self.queue:
             self.pool.release(req.id)

@@ -1,24 +1,24 @@
-"""Collective finalize of one save: agree across ranks, write DCP metadata and the manifest last."""
+"""The commit of one save: agree across ranks, then rank 0's writer writes the manifest last.
+
+Trainer side (every rank): :func:`check_same_save` and :func:`raise_for_failures` on the gathered
+records, :func:`commit_header` for rank 0's request to its writer. Writer side (rank 0's writer
+process): :func:`run_commit` writes the DCP ``.metadata`` (format ``dcp``), the manifest and
+``latest``, then prunes to ``keep_last`` - so no fsync or directory scan runs on a trainer thread.
+"""
 
 from __future__ import annotations
 
 import pickle
 from typing import Any
 
-import torch.distributed as dist
-
-from trainguard._core.logging import get_logger
 from trainguard.checkpointing.errors import (
     CheckpointError,
     CheckpointWorkerError,
     CheckpointWriteError,
 )
-from trainguard.checkpointing.manager import CheckpointManager
 
-__all__ = ["build_dcp_metadata", "commit_collective", "raise_for_failures"]
-
-
-_log = get_logger("trainguard.checkpointing")
+__all__ = ["build_dcp_metadata", "check_same_save", "commit_header", "raise_for_failures",
+           "run_commit"]
 
 
 def build_dcp_metadata(extras: list[bytes]) -> bytes:
@@ -42,6 +42,12 @@ def build_dcp_metadata(extras: list[bytes]) -> bytes:
 
 
 def raise_for_failures(step: int | None, failures: dict[int, str], dead: bool) -> None:
+    """Raise the typed error for ``failures`` (global rank -> error text); nothing if empty.
+
+    Raises:
+        CheckpointWorkerError: a writer died or was stuck (``dead``).
+        CheckpointWriteError: any other failure.
+    """
     if not failures:
         return
     what = f"checkpoint step {step}" if step is not None else "async save"
@@ -51,55 +57,40 @@ def raise_for_failures(step: int | None, failures: dict[int, str], dead: bool) -
               "checkpoint is intact; the next save starts a fresh writer if needed.", failures)
 
 
-def _commit(manager: CheckpointManager, records: list[dict], extras: list[bytes | None],
-            world_size: int) -> None:
-    step, kind = records[0]["step"], records[0]["kind"]
-    files: dict[str, Any] = {}
-    for rec in records:
-        files.update(rec["files"])
-    if kind == "dcp":
-        rel = f"{manager.step_dir(step)}/.metadata"
-        size, digest = manager.storage.write_bytes(rel, build_dcp_metadata(extras))  # type: ignore[arg-type]
-        files[".metadata"] = {"size": size, "xxh3": digest, "rank": 0}
-    manager.commit(step, kind, world_size, files, prune=False)  # pruned after the broadcast
-
-
-def commit_collective(manager: CheckpointManager, record: dict, extra: bytes | None,
-                      group: Any, rank: int, world_size: int) -> None:
-    """All ranks: gather records, coordinator commits, everyone learns the outcome.
-
-    Raises:
-        CheckpointWriteError / CheckpointWorkerError: on every rank when any rank failed or the
-            commit itself failed (e.g. ENOSPC on the manifest).
-        CheckpointError: ranks disagree on which save is at the head of their queue.
-    """
-    if group is None:
-        gathered = [(record, extra)]
-    else:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, (record, extra), group=group)
-    records = [g[0] for g in gathered]  # type: ignore[index]
+def check_same_save(records: list[dict[str, Any]]) -> None:
+    """Raises CheckpointError when ranks finalize different saves (a usage error)."""
     steps = {r["step"] for r in records}
     if len(steps) != 1:
         raise CheckpointError(f"ranks finalize different saves {sorted(map(str, steps))}: every "
                               "rank must call save() with the same steps in the same order")
-    step = records[0]["step"]
-    failures = {r["rank"]: r["error"] for r in records if not r["ok"]}
-    dead = any(r.get("dead") for r in records)
-    outcome: list[Any] = [None]
-    if not failures and rank == 0:
-        try:
-            _commit(manager, records, [g[1] for g in gathered], world_size)  # type: ignore[index]
-        except OSError as exc:
-            outcome[0] = f"commit of manifest failed: {type(exc).__name__}: {exc}"
-    if failures and rank == 0:
-        try:  # uncommitted leftovers of the failed save; may fail too (EROFS, EIO)
-            manager.storage.remove(manager.step_dir(step))
-        except OSError as exc:  # the outcome must still reach every rank
-            _log.warning("could not remove the failed save's directory %s: %s",
-                         manager.step_dir(step), exc)
-    if group is not None:
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
-    if outcome[0] is not None:
-        failures = {0: outcome[0]}
-    raise_for_failures(step, failures, dead)
+
+
+def commit_header(req_id: int, records: list[dict[str, Any]], world_size: int, rel_dir: str,
+                  storage_url: str, keep_last: int, fault: dict | None) -> dict[str, Any]:
+    """Rank 0: the writer request that commits the save every rank wrote (JSON-able)."""
+    files: dict[str, Any] = {}
+    for rec in records:
+        files.update(rec["files"])
+    return {"op": "commit", "id": req_id, "step": records[0]["step"], "kind": records[0]["kind"],
+            "world_size": world_size, "files": files, "dir": rel_dir, "storage": storage_url,
+            "keep_last": keep_last, "fault": fault}
+
+
+def run_commit(storage: Any, header: dict[str, Any], extras: list[bytes] | None) -> dict[str, Any]:
+    """Writer: write ``.metadata`` (DCP), the manifest (the commit marker) and ``latest``, then
+    prune. Returns the reply fields; raises OSError when a write fails (step stays uncommitted).
+    """
+    from trainguard.checkpointing.manager import CheckpointManager
+
+    manager = CheckpointManager(storage, int(header["keep_last"]))
+    step, files = int(header["step"]), dict(header["files"])
+    if header["kind"] == "dcp":
+        size, digest = storage.write_bytes(f"{header['dir']}/.metadata",
+                                           build_dcp_metadata(extras or []))
+        files[".metadata"] = {"size": size, "xxh3": digest, "rank": 0}
+    manager.commit(step, header["kind"], int(header["world_size"]), files, prune=False)
+    try:
+        pruned = manager.prune(protect=step)
+    except OSError as exc:  # the step is committed; a failed prune is retried after the next
+        return {"ok": True, "pruned": [], "prune_error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "pruned": pruned}

@@ -1,19 +1,43 @@
-"""One queued asynchronous save (trainer side)."""
+"""One queued asynchronous save (trainer side) and its lifecycle."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard._core.clock import Deadline
 
-__all__ = ["SaveRequest"]
+__all__ = ["SaveRequest", "SaveState"]
+
+
+class SaveState(enum.Enum):
+    """Lifecycle of one save on one rank.
+
+    Legal transitions::
+
+        WRITING ──► WRITTEN ──► COMMITTING ──► COMMITTED      (popped by finalize)
+           │           │             └────────► FAILED
+           └───────────┴──────────────────────► FAILED        (write error, dead/stuck writer,
+                                                               a failure on another rank)
+
+    * WRITING: staged; this rank's writer owes the reply for the file(s).
+    * WRITTEN: this rank's files are durable (not yet committed).
+    * COMMITTING: every rank wrote; rank 0's writer is writing the manifest and pruning.
+    * COMMITTED / FAILED: the agreed outcome, the same on every rank.
+    """
+
+    WRITING = "writing"
+    WRITTEN = "written"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    FAILED = "failed"
 
 
 @dataclass
 class SaveRequest:
-    """One queued save. ``state`` goes writing -> written|failed; finalize pops it."""
+    """One queued save; ``state`` follows :class:`SaveState`; finalize pops it."""
 
     id: int
     step: int | None
@@ -24,9 +48,11 @@ class SaveRequest:
     collective: bool
     deadline: Deadline
     finalize_fns: list[Callable[[], None]] = field(default_factory=list)
-    state: str = "writing"
+    state: SaveState = SaveState.WRITING
     record: dict[str, Any] = field(default_factory=dict)
     extra: bytes | None = None
     stage_s: float = 0.0
     t_submit: float = 0.0
     durable_s: float | None = None  # submit -> committed on every rank (set by finalize)
+    commit_pending: bool = False  # rank 0: the commit was sent to this rank's writer, no reply yet
+    commit_record: dict[str, Any] = field(default_factory=dict)  # rank 0: the writer's commit reply

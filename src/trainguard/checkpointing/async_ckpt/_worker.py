@@ -2,13 +2,18 @@
 
 Loop: receive a JSON request header plus the pickled skeleton, map the staging arena, write the
 file(s) atomically (tmp -> fsync -> rename -> dir fsync) with xxh3 checksums, reply with a JSON
-record. Errors are replied as JSON records (errno, file, message), never as pickles. Requests and
-replies are ``_core.ipc`` messages (kind 1) on the socket the trainer passed as a descriptor. The worker
-exits when asked, when its pipe closes, or when its parent dies.
+record. Rank 0's writer also commits (``op: commit``): the DCP ``.metadata``, the manifest last,
+``latest`` and keep-last pruning, off the trainer's threads. Errors are replied as JSON records
+(errno, file, message), never as pickles; an I/O error inside ``torch.save`` is reported as the
+OSError itself (e.g. "No space left on device") with the path and sizes. Requests and replies are
+``_core.ipc`` messages (kind 1) on the socket the trainer passed as a descriptor. The worker exits
+when asked, when its pipe closes (one line on stderr, no traceback), or when its parent dies.
 
 Fault injection (test seam): a request may carry ``fault`` = {"phase", "action", "errno"}; phases
-are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls) and ``reply``
-(after the files are durable, before replying); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
+are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls), ``reply``
+(after the files are durable, before replying), ``commit`` (rank 0's writer, before the
+manifest) and ``commit:write``/``commit:fsync``/``commit:replace`` (patched during the commit;
+``target`` limits the fault to calls naming that file, e.g. ``latest``); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
 """
 
 from __future__ import annotations
@@ -43,17 +48,23 @@ def _act(action: str, err: int) -> None:
 
 
 @contextmanager
-def _patched(fault: dict[str, Any] | None):
-    """Patch os.write/os.fsync/os.replace to fire ``fault`` on its first call."""
-    phase = (fault or {}).get("phase")
-    if phase not in _OS_CALLS:
+def _patched(fault: dict[str, Any] | None, prefix: str = ""):
+    """Patch os.write/os.fsync/os.replace to fire ``fault`` on its first call (on the first call
+    naming a file called ``fault["target"]``, if given). ``prefix`` selects commit-time phases
+    (``commit:replace`` ...)."""
+    phase = (fault or {}).get("phase") or ""
+    if not phase.startswith(prefix) or phase[len(prefix):] not in _OS_CALLS:
         yield
         return
-    name = _OS_CALLS[phase]
+    assert fault is not None
+    name = _OS_CALLS[phase[len(prefix):]]
     original = getattr(os, name)
+    target = fault.get("target")
 
     def faulty(*args, **kwargs):
-        _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        names = {os.path.basename(os.fspath(a)) for a in args if isinstance(a, (str, os.PathLike))}
+        if target is None or target in names:
+            _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
         return original(*args, **kwargs)
 
     setattr(os, name, faulty)
@@ -63,20 +74,55 @@ def _patched(fault: dict[str, Any] | None):
         setattr(os, name, original)
 
 
-def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int) -> dict:
+def _os_error_in_chain(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: torch.save turns a failed ``write()`` of its file object into
+    ``RuntimeError: unexpected pos``, keeping the OSError only as the context."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _free_bytes(storage, rel: str) -> str:
+    try:
+        st = os.statvfs(os.path.dirname(storage.full_path(rel)))
+    except (OSError, AttributeError, ValueError):
+        return "free space unknown"
+    return f"{st.f_bavail * st.f_frsize} bytes free"
+
+
+def _write_error(exc: BaseException, storage, rel: str, written: int, total: int) -> BaseException:
+    """Name the real I/O error (e.g. ENOSPC), the file and the sizes; other errors unchanged."""
+    err = _os_error_in_chain(exc)
+    if err is None or exc is err and err.filename:
+        return exc
+    reason = err.strerror or str(err)
+    return OSError(err.errno, f"{reason}: writing {storage.full_path(rel)} failed after {written} "
+                   f"of ~{total} bytes ({_free_bytes(storage, rel)} on that filesystem)")
+
+
+def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int, total: int) -> dict:
     import torch
 
-    f = storage.open_atomic(f"{rel_dir}/{name}" if rel_dir else name)
+    rel = f"{rel_dir}/{name}" if rel_dir else name
+    f = storage.open_atomic(rel)
     try:
         torch.save(obj, f)
         size, digest = f.commit()
-    except BaseException:
+    except BaseException as exc:
         f.abort()
-        raise
+        mapped = _write_error(exc, storage, rel, f.tell(), total)
+        if mapped is exc:
+            raise
+        raise mapped from exc
     return {name: {"size": size, "xxh3": digest, "rank": rank}}
 
 
-def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]:
+def _write_dcp(storage, rel_dir: str, obj: Any, rank: int, total: int) -> tuple[dict, bytes]:
     """Write this rank's items in DCP's file format; return file info and (plan, results)."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -102,9 +148,12 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length)))
         size, digest = f.commit()
-    except BaseException:
+    except BaseException as exc:
         f.abort()
-        raise
+        mapped = _write_error(exc, storage, f"{rel_dir}/{name}", f.tell(), total)
+        if mapped is exc:
+            raise
+        raise mapped from exc
     return {name: {"size": size, "xxh3": digest, "rank": rank}}, pickle.dumps((plan, results))
 
 
@@ -160,15 +209,27 @@ class _Worker:
         extra = None
         with _patched(fault):
             if req["kind"] == "dcp":
-                files, extra = _write_dcp(storage, req["dir"], obj, req["rank"])
+                files, extra = _write_dcp(storage, req["dir"], obj, req["rank"], offset)
             else:
-                files = _write_torch(storage, req["dir"], req["file"], obj, req["rank"])
+                files = _write_torch(storage, req["dir"], req["file"], obj, req["rank"], offset)
         del obj
         if fault and fault["phase"] == "reply":
             _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
         return {"id": req["id"], "ok": True, "files": files}, extra
 
-    def handle(self, req: dict[str, Any]) -> bool:
+    def commit(self, req: dict[str, Any], payload: bytes) -> tuple[dict, bytes | None]:
+        """Rank 0's writer: write the manifest of a save every rank wrote, then prune."""
+        from trainguard.checkpointing.async_ckpt._commit import run_commit
+
+        extras = pickle.loads(payload) if req.get("has_extras") else None
+        fault = req.get("fault")
+        if fault and fault["phase"] == "commit":
+            _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
+        with _patched(fault, prefix="commit:"):
+            reply = run_commit(self.storage(req["storage"]), req, extras)
+        return {"id": req["id"], "op": "commit", **reply}, None
+
+    def handle(self, req: dict[str, Any], payload: bytes = b"") -> bool:
         if req["op"] == "exit":
             return False
         if req["op"] == "release":
@@ -178,17 +239,20 @@ class _Worker:
             self.receive_arena(req["arena"])
         t0 = time.monotonic()
         try:
-            reply, extra = self.save(req)
+            reply, extra = (self.commit(req, payload) if req["op"] == "commit"
+                            else self.save(req))
         except Exception as exc:  # noqa: BLE001 - every write failure goes back to the trainer as a record
             reply, extra = {
-                "id": req["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                "id": req["id"], "op": req["op"], "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
                 "errno": getattr(exc, "errno", None), "file": getattr(exc, "filename", None),
             }, None
         reply["write_s"] = time.monotonic() - t0
         reply["has_extra"] = extra is not None
         try:
             send_msg(self.fd, _MSG, reply, extra or b"")
-        except OSError:  # the trainer is gone (crash or abort): nobody to report to
+        except OSError as exc:  # the trainer is gone (crash or abort): nobody to report to
+            _log_quiet_exit(int(os.environ.get("RANK", "-1")), exc)
             return False
         return True
 
@@ -199,10 +263,10 @@ class _Worker:
                     return  # orphaned: the trainer died
                 continue
             try:
-                req, _ = decode_msg(self.reader.recv()[1])
+                req, payload = decode_msg(self.reader.recv()[1])
             except (EOFError, OSError, ValueError):
                 return
-            if not self.handle(req):
+            if not self.handle(req, payload):
                 return
 
 
@@ -227,12 +291,23 @@ def worker_main(fd: int, parent_pid: int, rank: int, nice: int = 0) -> None:
             pass
     _fast_torch_save()
     worker = _Worker(fd, parent_pid)
-    send_msg(fd, _MSG, {"ready": True, "pid": os.getpid()})
     try:
+        send_msg(fd, _MSG, {"ready": True, "pid": os.getpid()})
         worker.run()
+    except (OSError, EOFError) as exc:  # the trainer closed its end (restart, abort, crash)
+        _log_quiet_exit(rank, exc)
     finally:
         for path in list(worker.maps):
             worker.release(path)
+
+
+def _log_quiet_exit(rank: int, exc: BaseException) -> None:
+    """One line instead of a traceback in the rank's log: a closed pipe is a normal way to end."""
+    import sys
+
+    sys.stderr.write(f"trainguard checkpoint writer pid {os.getpid()} (rank {rank}): the trainer "
+                     f"closed the connection ({type(exc).__name__}); exiting\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
