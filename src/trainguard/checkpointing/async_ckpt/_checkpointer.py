@@ -125,7 +125,7 @@ class AsyncCheckpointer(LoadMixin):
                               f"{staging_budget_bytes!r}")
         self.pool = ArenaPool(max_in_flight, staging_budget_bytes)
         self.queue: deque[SaveRequest] = deque()
-        self._dcp_planner = DcpPlanner()
+        self._dcp_planner = DcpPlanner(warm=format == "dcp")
         self._overlap = OverlapGuard(self.write_timeout_s)
         self._group: Any = None
         self._last_step: int | None = None

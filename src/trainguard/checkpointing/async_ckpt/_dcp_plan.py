@@ -49,7 +49,10 @@ class DcpPlanner:
     bounded by the group's timeout.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warm: bool = False) -> None:
+        if warm:  # importing DCP takes ~0.5 s: pay it at construction, not in the first save
+            import torch.distributed.checkpoint._dedup_save_plans
+            import torch.distributed.checkpoint.default_planner  # noqa: F401
         self._key: _PlanKey | None = None
         self._kept: set[tuple[str, tuple[int, ...]]] = set()
         self.gathers = 0  # how many saves re-gathered the plans (observable for tests)

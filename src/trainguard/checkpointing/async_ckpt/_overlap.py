@@ -81,10 +81,9 @@ class OverlapGuard:
         Call only when no job is pending (``wait`` first).
         """
         if self._hook is None:
-            import torch.optim.optimizer
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
-                _make_hook(weakref.ref(self)))
+            self._hook = register_optimizer_step_pre_hook(_make_hook(weakref.ref(self)))
         job = _Job(copy, done, step)
         self._job = job
         job.thread.start()
