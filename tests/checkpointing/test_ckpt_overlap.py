@@ -20,7 +20,7 @@ class MutateAll(torch.optim.Optimizer):
         super().__init__(params, {"lr": 1.0})
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p] = {"buf": torch.zeros(numel), "step": torch.tensor(0.0)}
+                self.state[p] = {"buf": torch.zeros_like(p), "step": torch.tensor(0.0)}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -32,11 +32,11 @@ class MutateAll(torch.optim.Optimizer):
                 st["buf"].fill_(st["step"].item())
 
 
-def _setup(numel: int, n: int) -> tuple[torch.nn.Module, MutateAll]:
+def _setup(numel: int, n: int, device: str = "cpu") -> tuple[torch.nn.Module, MutateAll]:
     model = torch.nn.Module()
     for i in range(n):
-        model.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(numel)))
-    model.register_buffer("running", torch.zeros(4))  # small: staged before save returns
+        model.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(numel, device=device)))
+    model.register_buffer("running", torch.zeros(4, device=device))  # small: staged at save
     return model, MutateAll(model.parameters(), numel)
 
 
@@ -154,3 +154,25 @@ def test_sigkill_during_overlapped_staging_keeps_the_previous_checkpoint(tmp_pat
         assert os.listdir(root).count(ck.manager.step_dir(2)) == 0  # leftovers removed at start
     assert step == 1 and all(torch.equal(v, torch.ones(1 << 20)) for v in obj["model"].values()
                              if v.numel() > 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_pinned_buffers_reused_and_fenced(tmp_path):
+    model, opt = _setup(1 << 22, 2, device="cuda")  # 16 MiB per tensor on the GPU
+    with AsyncCheckpointer(tmp_path, use_dist=False) as ck:
+        arenas = []
+        for step, overlap in ((1, False), (2, True), (3, True)):
+            with torch.no_grad():
+                for p in model.parameters():  # queued on the current stream, not yet run
+                    p.fill_(float(step * 10))
+            ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step,
+                    overlap=overlap)
+            opt.step()  # overwrites everything on the GPU right away
+            assert ck.wait() == [step]
+            saved = ck.manager.load_file(step, rank_file(0))
+            assert all(torch.equal(v, torch.full_like(v, step * 10.0)) for k, v in
+                       saved["model"].items() if k != "running")
+            arenas.append({id(a) for a in ck.pool.free})
+            assert all(a.pinned for a in ck.pool.free)
+        assert arenas[1] & arenas[2]  # the pinned staging buffers are reused across saves
