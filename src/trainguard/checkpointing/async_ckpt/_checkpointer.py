@@ -259,10 +259,10 @@ class AsyncCheckpointer(LoadMixin):
         arena = self.pool.acquire(total + len(trailer), req.id, self._retire)
         arena.buf[total : total + len(trailer)].copy_(
             torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+        fault = self.faults.get(step) if step is not None else fault
         header = {"op": "save", "id": req.id, "step": step, "kind": kind, "dir": rel_dir,
                   "file": file, "rank": self.rank, "storage": url, "arena": arena.name,
-                  "trailer": [total, len(trailer)],
-                  "fault": self.faults.get(step) if step is not None else fault}
+                  "trailer": [total, len(trailer)], "fault": fault}
         self.queue.append(req)
         streams = _staging.cuda_fence(tensors)
         if not overlap:
@@ -275,7 +275,7 @@ class AsyncCheckpointer(LoadMixin):
                        [s for t, s in pairs if s.nbytes <= SYNC_BYTES], arena, streams)
 
         def copy() -> None:
-            _stage_fault(header["fault"], late, arena, streams)
+            _stage_fault(fault, late, arena, streams)
             _staging.stage([t for t, _ in late], [s for _, s in late], arena, streams)
 
         self._overlap.start(copy, lambda error: self._send(req, header, arena, error), step)

@@ -19,7 +19,8 @@ write) and NVRx's plan cache; difference: no per-save gather once the plans are 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import io
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -81,9 +82,9 @@ class DcpPlanner:
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                items.append((item, bytes(data.getbuffer())))
+                items.append((item, bytes(cast(io.BytesIO, data).getbuffer())))
             else:
-                tensors.append((item.index.fqn, data))
+                tensors.append((item.index.fqn, cast(torch.Tensor, data)))
                 items.append((item, TensorRef(len(tensors) - 1)))
         return {"dcp_plan": plan, "items": items}, tensors
 
