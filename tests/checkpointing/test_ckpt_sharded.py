@@ -39,6 +39,20 @@ def _state(model: torch.nn.Module, world_size: int, fill: float) -> dict:
     return {"model": model.state_dict(), "rep": rep, "meta": {"epoch": int(fill)}}
 
 
+def _sharded_tensor(rank: int, world_size: int) -> torch.Tensor:
+    import warnings
+
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor is deprecated in favour of DTensor
+        st = empty(spec, 8, 4)
+    st.local_shards()[0].tensor.copy_(torch.arange(32.0).reshape(8, 4).chunk(world_size)[rank])
+    return st
+
+
 def _full(state: dict) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() for k, v in state["model"].items()}
 
@@ -52,6 +66,7 @@ def _save_on_2(rank: int, world_size: int, root: str) -> dict:
 
     model = _model(0, world_size)
     state = _state(model, world_size, 5.0)
+    state["st"] = _sharded_tensor(rank, world_size)
     out: dict = {}
     dcp.save(state, checkpoint_id=os.path.join(root, "native"))  # torch's own writer
     with AsyncCheckpointer(os.path.join(root, "ours"), format="dcp", collective_timeout=60) as ck:
@@ -76,7 +91,9 @@ def _load_on_4(rank: int, world_size: int, root: str) -> dict:
     with AsyncCheckpointer(os.path.join(root, "ours"), format="dcp", collective_timeout=60) as ck:
         model = _model(1, world_size)
         state = _state(model, world_size, 0.0)
+        state["st"] = torch.zeros(8, 4)  # ShardedTensor over 2 ranks -> full tensor on each
         out["step"] = ck.load_dcp(state, step=1)  # ours -> our loader, resharded 2 -> 4
+        out["st"] = torch.equal(state["st"], torch.arange(32.0).reshape(8, 4))
         out["ours"] = _same(_full(state), ref)
         out["rep"], out["meta"] = state["rep"].full_tensor()[0, 0].item(), state["meta"]["epoch"]
         other = _state(_model(2, world_size), world_size, 0.0)
@@ -115,7 +132,7 @@ def test_fsdp2_save_reshard_2_to_4_to_2_and_dcp_interop(tmp_path):
     assert sum(i.fqn == "rep" for i in md.storage_data) == 1  # replicated: written once
     loaded = run_ranks(_load_on_4, 4, root, timeout_s=150)
     for rank, (_, out) in enumerate(loaded):
-        assert out == {"step": 1, "ours": True, "rep": 5.0, "meta": 5, "ours_by_torch": True,
-                       "native_by_ours": True}, (rank, out)
+        assert out == {"step": 1, "ours": True, "st": True, "rep": 5.0, "meta": 5,
+                       "ours_by_torch": True, "native_by_ours": True}, (rank, out)
     back = run_ranks(_load_on_2, 2, root, timeout_s=120)
     assert [v for _, v in back] == [True, True]
