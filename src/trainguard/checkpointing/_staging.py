@@ -24,7 +24,8 @@ import torch
 from trainguard._core.shm import map_fd, memfd_segment
 from trainguard.checkpointing.errors import StateDictError
 
-__all__ = ["Arena", "TensorRef", "TensorSlot", "flatten", "pickle_skeleton", "rebuild", "stage"]
+__all__ = ["Arena", "TensorRef", "TensorSlot", "cuda_fence", "flatten", "is_sharded_value",
+           "pickle_skeleton", "rebuild", "stage"]
 
 _ALIGN = 64
 
@@ -67,14 +68,37 @@ def _stageable(value: Any) -> bool:
     )
 
 
+def is_sharded_value(value: Any) -> bool:
+    """True for a ``DTensor`` or ``ShardedTensor`` (values only the ``dcp`` format can save)."""
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return isinstance(value, ShardedTensor)
+
+
 def flatten(obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """Replace stageable tensors in nested dicts/lists/tuples by :class:`TensorRef`.
 
     Returns (skeleton, [(key path, tensor)]) in skeleton order.
+
+    Raises:
+        StateDictError: a ``DTensor``/``ShardedTensor`` (only ``format="dcp"`` can save those).
     """
     found: list[tuple[str, torch.Tensor]] = []
 
     def walk(value: Any, path: str) -> Any:
+        if is_sharded_value(value):
+            raise StateDictError(
+                f"state value at key {path or '<root>'!r} is a {type(value).__name__}: sharded "
+                "tensors need AsyncCheckpointer(format='dcp'), which saves each rank's shards "
+                "and reshards on load")
         if _stageable(value):
             found.append((path, value))
             return TensorRef(len(found) - 1)
@@ -167,23 +191,51 @@ class Arena:
         self.fd = None
 
 
-def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], arena: Arena) -> None:
-    """Copy every tensor into its slot; returns when all copies (CPU and CUDA) are complete."""
-    cuda_devices = set()
-    if not arena.pinned and any(t.is_cuda for _, t in tensors):
-        # Pinned (page-locked) staging makes D2H copies run at PCIe speed and asynchronously.
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def cuda_fence(tensors: list[tuple[str, torch.Tensor]]) -> dict[Any, Any]:
+    """Trainer thread, at save time: one side stream per CUDA device of ``tensors``, ordered
+    after the work already queued on the caller's current stream (the work producing the state).
+
+    Call in the thread that produced the tensors (current streams are per thread); pass the
+    result to :meth:`stage`, which may run in another thread. Empty without CUDA tensors.
+    """
+    streams: dict[Any, Any] = {}
+    for _, t in tensors:
+        if t.is_cuda and t.device not in streams:
+            stream = _SIDE_STREAMS.get(t.device)
+            if stream is None:
+                stream = _SIDE_STREAMS[t.device] = torch.cuda.Stream(device=t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            streams[t.device] = stream
+    return streams
+
+
+def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], arena: Arena,
+          streams: dict[Any, Any] | None = None) -> None:
+    """Copy every tensor into its slot; returns when all copies (CPU and CUDA) are complete.
+
+    CUDA tensors are copied on the side streams from :func:`cuda_fence` (made here if not
+    given) into the arena, which is page-locked once (``cudaHostRegister``) and reused by later
+    saves, so device-to-host copies run at PCIe speed without a new pinned allocation.
+    Blocks until the copies are done; caller thread or the overlap thread.
+    """
+    if streams is None:
+        streams = cuda_fence(tensors)
+    if streams and not arena.pinned:
         torch.cuda.cudart().cudaHostRegister(arena.buf.data_ptr(), arena.capacity, 0)
         arena.pinned = True
     with torch.no_grad():
         for (_, t), slot in zip(tensors, slots):
             dst = arena.view(slot)
             if t.is_cuda:
-                cuda_devices.add(t.device)
-                dst.copy_(t.detach(), non_blocking=True)
+                with torch.cuda.stream(streams[t.device]):
+                    dst.copy_(t.detach(), non_blocking=True)
             else:
                 dst.copy_(t.detach())
-    for device in cuda_devices:
-        torch.cuda.synchronize(device)
+    for stream in streams.values():
+        stream.synchronize()
 
 
 def open_mapping(fd: int) -> mmap.mmap:

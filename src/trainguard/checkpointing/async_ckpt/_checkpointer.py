@@ -8,9 +8,11 @@ same order, and ``maybe_finalize`` at the same points.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import pickle
+import signal
 import time
 import weakref
 from collections import deque
@@ -31,7 +33,9 @@ from trainguard.checkpointing.async_ckpt._commit import (
     commit_header,
     raise_for_failures,
 )
+from trainguard.checkpointing.async_ckpt._dcp_plan import DcpPlanner
 from trainguard.checkpointing.async_ckpt._loading import LoadMixin
+from trainguard.checkpointing.async_ckpt._overlap import SYNC_BYTES, OverlapGuard
 from trainguard.checkpointing.async_ckpt._request import SaveRequest, SaveState
 from trainguard.checkpointing.async_ckpt._reuse import (
     ExistingRun,
@@ -147,6 +151,8 @@ class AsyncCheckpointer(LoadMixin):
                               f"{staging_budget_bytes!r}")
         self.pool = ArenaPool(max_in_flight, staging_budget_bytes)
         self.queue: deque[SaveRequest] = deque()
+        self._dcp_planner = DcpPlanner(warm=format == "dcp")
+        self._overlap = OverlapGuard(self.write_timeout_s)
         self._group: Any = None
         self._last_step: int | None = None
         self._existing: ExistingRun | None = None  # an earlier run's newest commit, if any
@@ -243,12 +249,26 @@ class AsyncCheckpointer(LoadMixin):
 
     # -- save --------------------------------------------------------------------------------
     def save(self, state_dict: Any, step: int,
-             finalize_fns: Sequence[Callable[[], None]] = ()) -> SaveRequest:
+             finalize_fns: Sequence[Callable[[], None]] = (), *,
+             overlap: bool = False) -> SaveRequest:
         """Stage ``state_dict`` and queue its write as checkpoint ``step`` (all ranks call it).
 
         Blocks for the memcpy of every tensor into a staging arena (plus waiting for a free arena
         when ``max_in_flight`` saves are unwritten, bounded by ``write_timeout``). After it returns
         the caller may mutate its tensors. Commit happens in :meth:`maybe_finalize`.
+
+        With ``format="dcp"`` the state may hold ``DTensor``s (FSDP2, tensor parallel) and
+        ``ShardedTensor``s: each rank writes only its local shards, an item held by several ranks
+        (replicated) is written once, and ``torch.distributed.checkpoint.load`` (or
+        :meth:`load_dcp`) reshards it to any mesh or world size. Planning costs one scalar
+        all-reduce per save (plus a gather of the plans when they changed).
+
+        ``overlap=True`` (opt-in): returns after copying only the small tensors (<= 64 KiB each)
+        and pickling the non-tensor values; the large tensors are copied in a background thread
+        while training continues, and every ``optimizer.step()`` in the process first waits for
+        that copy (a global step pre-hook), so the checkpoint is still an exact snapshot of
+        ``step``. A large tensor changed in place outside an optimizer step before the next one is
+        not protected: call :meth:`wait_staged` before such a change. See ``_overlap``.
 
         Raises:
             ConfigError: no root, a bad step (not an int, or not newer than the newest step
@@ -274,7 +294,21 @@ class AsyncCheckpointer(LoadMixin):
         self._ensure_group()
         rel = self.manager.step_dir(step)
         return self._submit(state_dict, step, self.format, rel, rank_file(self.rank),
-                            self.manager.storage.url, True, finalize_fns)
+                            self.manager.storage.url, True, finalize_fns, overlap=overlap)
+
+    def wait_staged(self) -> None:
+        """Block until an overlapped save's background copy is done (no-op otherwise); after it
+        the saved tensors may be changed. Blocks at most ``write_timeout``.
+
+        Raises:
+            CheckpointTimeout: the copy did not finish in time.
+        """
+        self._overlap.wait()
+
+    @property
+    def fenced_steps(self) -> int:
+        """Optimizer steps that waited for an overlapped save's copy (0 = fully overlapped)."""
+        return self._overlap.fenced_steps
 
     def async_save(self, obj: Any, path: str, finalize_fns: Sequence[Callable[[], None]] = (),
                    fault: dict | None = None) -> SaveRequest:
@@ -292,11 +326,15 @@ class AsyncCheckpointer(LoadMixin):
 
     def _submit(self, obj: Any, step: int | None, kind: str, rel_dir: str, file: str,
                 url: str, collective: bool, finalize_fns: Sequence[Callable[[], None]],
-                fault: dict | None = None) -> SaveRequest:
+                fault: dict | None = None, overlap: bool = False) -> SaveRequest:
         if self._closed:
             raise ConfigError("this AsyncCheckpointer is closed; create a new one")
+        self._overlap.wait()  # an earlier overlapped copy finishes (and is sent) first
         t0 = time.perf_counter()
-        skeleton, tensors = _staging.flatten(obj)
+        if kind == "dcp":
+            skeleton, tensors = self._dcp_planner.plan(obj, self.rank, self._group, self.use_dist)
+        else:
+            skeleton, tensors = _staging.flatten(obj)
         payload = _staging.pickle_skeleton(skeleton)
         if collective and kind == "torch":  # never commit what the default load refuses
             check_loadable(skeleton, _staging.TensorRef)
@@ -308,22 +346,48 @@ class AsyncCheckpointer(LoadMixin):
         # The pickled skeleton rides in the arena behind the tensors: the request message stays
         # tiny, so sending never blocks on a writer that is still starting.
         arena = self.pool.acquire(total + len(trailer), req.id, self._retire)
-        _staging.stage(tensors, slots, arena)
         arena.buf[total : total + len(trailer)].copy_(
             torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
-        req.stage_s = time.perf_counter() - t0
-        req.deadline = Deadline(self.write_timeout_s)
+        fault = self.faults.get(step) if step is not None else fault
         header = {"op": "save", "id": req.id, "step": step, "kind": kind, "dir": rel_dir,
                   "file": file, "rank": self.rank, "storage": url, "arena": arena.name,
-                  "trailer": [total, len(trailer)],
-                  "fault": self.faults.get(step) if step is not None else fault}
+                  "trailer": [total, len(trailer)], "fault": fault}
         self.queue.append(req)
+        streams = _staging.cuda_fence(tensors)
+        if not overlap:
+            _staging.stage(tensors, slots, arena, streams)
+            self._send(req, header, arena, None)
+            return req
+        pairs = list(zip(tensors, slots))
+        late = [p for p in pairs if p[1].nbytes > SYNC_BYTES]
+        _staging.stage([t for t, s in pairs if s.nbytes <= SYNC_BYTES],
+                       [s for t, s in pairs if s.nbytes <= SYNC_BYTES], arena, streams)
+
+        def copy() -> None:
+            _stage_fault(fault, late, arena, streams)
+            _staging.stage([t for t, _ in late], [s for _, s in late], arena, streams)
+
+        self._overlap.start(copy, lambda error: self._send(req, header, arena, error), step)
+        return req
+
+    def _send(self, req: SaveRequest, header: dict[str, Any], arena: _staging.Arena,
+              error: BaseException | None) -> None:
+        """Hand a staged request to the writer (trainer thread), or fail it if staging failed."""
+        req.stage_s = time.perf_counter() - req.t_submit
+        if req.state != "writing":
+            return  # dropped meanwhile (the writer died with it)
+        if error is not None:
+            req.state = "failed"
+            req.record = {"ok": False, "error": f"staging failed: {type(error).__name__}: "
+                                                f"{error}", "dead": False}
+            self.pool.release(req.id)
+            return
+        req.deadline = Deadline(self.write_timeout_s)
         try:
             self.writer.ensure_started()
             self.writer.send(header, arena=arena)
         except WriterDied as exc:
             self._fail_pending(str(exc), dead=True)
-        return req
 
     def _retire(self, arena: _staging.Arena) -> None:
         if self.writer.alive():
@@ -424,6 +488,7 @@ class AsyncCheckpointer(LoadMixin):
             CheckpointError: a collective failed otherwise (a peer is gone), or ranks finalize
                 different saves.
         """
+        self._overlap.wait(blocking)
         done: list[int | None] = []
         while self.queue:
             head = self.queue[0]
@@ -566,6 +631,7 @@ class AsyncCheckpointer(LoadMixin):
 
     def is_written(self, req: SaveRequest) -> bool:
         """Local, non-blocking: has the writer finished ``req`` (successfully or not)?"""
+        self._overlap.wait(blocking=False)
         self._pump(req, blocking=False)
         return req.state is not SaveState.WRITING
 
@@ -591,6 +657,7 @@ class AsyncCheckpointer(LoadMixin):
         the checkpointer's process group (re-reading rank and world size). With
         ``keep_idle_writer`` a writer that owes no reply is kept.
         """
+        self._overlap.drop()
         if not (self.keep_idle_writer and self.writer.alive()
                 and not any(self._owes(r) for r in self.queue)):
             self.writer.kill()
@@ -620,6 +687,8 @@ class AsyncCheckpointer(LoadMixin):
         finally:
             if not finalize:
                 self.abort()
+            self._overlap.drop()
+            self._overlap.close()
             self._closed = True
             self._finalizer()
 
@@ -628,6 +697,23 @@ class AsyncCheckpointer(LoadMixin):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(finalize=exc_type is None)
+
+
+def _stage_fault(fault: dict | None, late: list, arena: _staging.Arena,
+                 streams: dict[Any, Any]) -> None:
+    """Test seam: ``{"phase": "stage", "action": "slow"|"sigkill"|"errno", "seconds", "errno"}``
+    fires in the overlap thread after half of the large tensors are copied."""
+    if not fault or fault.get("phase") != "stage":
+        return
+    half = late[: len(late) // 2]
+    _staging.stage([t for t, _ in half], [s for _, s in half], arena, streams)
+    if fault["action"] == "slow":
+        time.sleep(float(fault.get("seconds", 0.2)))
+        return
+    if fault["action"] == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    err = int(fault.get("errno", errno.EIO))
+    raise OSError(err, os.strerror(err))
 
 
 def _release(writer: WriterProcess, pool: ArenaPool) -> None:

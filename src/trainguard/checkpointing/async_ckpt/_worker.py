@@ -123,25 +123,24 @@ def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int, total: i
 
 
 def _write_dcp(storage, rel_dir: str, obj: Any, rank: int, total: int) -> tuple[dict, bytes]:
-    """Write this rank's items in DCP's file format; return file info and (plan, results)."""
+    """Write this rank's planned items in DCP's file format; return file info and (plan, results).
+
+    ``obj`` comes from the trainer's planner (``_dcp_plan``): the deduplicated local plan and,
+    per write item, a staged tensor (a local shard) or the item's bytes.
+    """
     import torch
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(obj, is_coordinator=rank == 0)
-    plan = planner.create_local_plan()
     name = f"__{rank}_0.distcp"
     f = storage.open_atomic(f"{rel_dir}/{name}")
     results = []
     try:
-        for item in plan.items:
-            data = planner.resolve_data(item)
+        for item, data in obj["items"]:
             offset = f.tell()
             if item.type == WriteItemType.BYTE_IO:
-                f.write(data.getbuffer())
+                f.write(data)
             else:
                 torch.save(data, f)
             length = f.tell() - offset
@@ -154,7 +153,8 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int, total: int) -> tuple[
         if mapped is exc:
             raise
         raise mapped from exc
-    return {name: {"size": size, "xxh3": digest, "rank": rank}}, pickle.dumps((plan, results))
+    return ({name: {"size": size, "xxh3": digest, "rank": rank}},
+            pickle.dumps((obj["dcp_plan"], results)))
 
 
 class _Worker:
