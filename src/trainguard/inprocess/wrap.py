@@ -13,6 +13,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import os
 import sys
 import threading
 import time
@@ -34,7 +35,9 @@ from trainguard.inprocess._monitor_process import MonitorConfig, MonitorProcess
 from trainguard.inprocess._monitor_thread import Interrupter
 from trainguard.inprocess._watchdog import Phase, ProgressBlock, ProgressWatchdog
 from trainguard.inprocess.abort import AbortTorchDistributed
+from trainguard.inprocess.compose import Compose
 from trainguard.inprocess.exceptions import BarrierTimeout
+from trainguard.inprocess.health_check import ChainedGPUHealthCheck, ChainedNVLHealthCheck
 from trainguard.inprocess.state import FrozenState, Mode, State
 
 __all__ = ["CallWrapper", "RestartRecord", "Wrapper"]
@@ -150,6 +153,7 @@ class Wrapper:
             durations, hooks, store_factory, store_kwargs,
             monitor_process_logfile, monitor_process_pidfile,
         )
+        self.restart_health_check = _restart_health_check(health_check)
 
     def __call__(self, fn: Callable) -> Callable:
         if not self.enabled:
@@ -157,9 +161,24 @@ class Wrapper:
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            return _Runtime(self.config, fn).run(args, kwargs)
+            return _Runtime(self.config, fn, self.restart_health_check).run(args, kwargs)
 
         return wrapped
+
+
+def _restart_health_check(user: Callable | None) -> Compose | None:
+    """The check run after a fault: ``Compose(*user, GPU, NVL)`` for device ``LOCAL_RANK``.
+
+    Runs NVL, then GPU, then the user's checks. None without an integer ``LOCAL_RANK`` (the
+    loop then runs the user's ``health_check`` alone). Both device checks pass on hosts
+    without CUDA. Follows: NVRx ``Wrapper.restart_health_check``.
+    """
+    local = os.environ.get("LOCAL_RANK", "")
+    if not local.isdigit():
+        return None
+    users = [] if user is None else list(user.instances if isinstance(user, Compose) else [user])
+    return Compose(*users, ChainedGPUHealthCheck(device_index=int(local)),
+                   ChainedNVLHealthCheck(device_index=int(local)))
 
 
 class CallWrapper:
@@ -271,8 +290,10 @@ def _unwrapped_excepthook(hook: Callable) -> Callable:
 class _Runtime(LoopMixin):
     """Resources and phases of one call (owned by the calling thread)."""
 
-    def __init__(self, cfg: WrapperConfig, fn: Callable) -> None:
+    def __init__(self, cfg: WrapperConfig, fn: Callable,
+                 restart_check: Callable | None = None) -> None:
         self.cfg, self.fn = cfg, fn
+        self.restart_check = restart_check
         self.call_wrapper = CallWrapper(self)
         self.records: list[RestartRecord] = []
         self.atomic_lock = threading.RLock()
