@@ -92,6 +92,10 @@ class Wrapper:
         monitor_process_logfile / monitor_process_pidfile: absolute paths; ``{rank}`` becomes
             the initial rank.
         enabled: False returns ``fn`` unchanged.
+        interrupt_blocking_calls: True (default) delivers the restart interrupt with a signal,
+            which also ends blocking calls such as ``time.sleep`` or a socket read; False
+            delivers it only at the next bytecode boundary (as NVRx), so a rank stuck in a C
+            call is left to the hard timeout, which kills it.
 
     Raises:
         TypeError: a value of the wrong type.
@@ -127,6 +131,7 @@ class Wrapper:
         monitor_process_logfile: str | None = None,
         monitor_process_pidfile: str | None = None,
         enabled: bool = True,
+        interrupt_blocking_calls: bool = True,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"Wrapper: enabled must be a bool, got {enabled!r}")
@@ -154,6 +159,10 @@ class Wrapper:
             monitor_process_logfile, monitor_process_pidfile,
         )
         self.restart_health_check = _restart_health_check(health_check)
+        if not isinstance(interrupt_blocking_calls, bool):
+            raise TypeError("Wrapper: interrupt_blocking_calls must be a bool, got "
+                            f"{interrupt_blocking_calls!r}")
+        self.interrupt_blocking_calls = interrupt_blocking_calls
 
     def __call__(self, fn: Callable) -> Callable:
         if not self.enabled:
@@ -161,7 +170,8 @@ class Wrapper:
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            return _Runtime(self.config, fn, self.restart_health_check).run(args, kwargs)
+            return _Runtime(self.config, fn, self.restart_health_check,
+                            self.interrupt_blocking_calls).run(args, kwargs)
 
         return wrapped
 
@@ -291,9 +301,10 @@ class _Runtime(LoopMixin):
     """Resources and phases of one call (owned by the calling thread)."""
 
     def __init__(self, cfg: WrapperConfig, fn: Callable,
-                 restart_check: Callable | None = None) -> None:
+                 restart_check: Callable | None = None, signal_interrupt: bool = True) -> None:
         self.cfg, self.fn = cfg, fn
         self.restart_check = restart_check
+        self.signal_interrupt = signal_interrupt
         self.call_wrapper = CallWrapper(self)
         self.records: list[RestartRecord] = []
         self.atomic_lock = threading.RLock()
@@ -367,7 +378,8 @@ class _Runtime(LoopMixin):
         self.monitor.send(op="start", call=call_id)
         self.watchdog = ProgressWatchdog(self.block, self.cfg.progress_watchdog_interval_s)
         self.watchdog.start()
-        self.interrupter.install()
+        if self.signal_interrupt:
+            self.interrupter.install()
         self.interrupter.install_unraisable_hook()
         self.keys = co.Keys(call_id)
         self._initial_barrier()
