@@ -8,6 +8,7 @@ import copy
 import gc
 import io
 import logging
+import os
 import sys
 import threading
 import time
@@ -242,3 +243,40 @@ def test_assignment_without_mode_restarts_instead_of_returning_none(monkeypatch)
     assert calls == []
     assert Mode.INITIALIZED.name in str(err.value) or "INITIALIZED" in "".join(
         getattr(err.value, "__notes__", []))
+
+
+_SLEEPER = """
+import sys, time
+import trainguard.inprocess as inprocess
+mode, port = sys.argv[1], int(sys.argv[2])
+@inprocess.Wrapper(soft_timeout=0.5, hard_timeout=1.5, barrier_timeout=10, heartbeat_timeout=5,
+                   heartbeat_interval=0.2, monitor_process_interval=0.02,
+                   monitor_thread_interval=0.05, progress_watchdog_interval=0.02,
+                   termination_grace_time=0.2, store_kwargs={"port": port},
+                   interrupt_blocking_calls=(mode == "signal"))
+def fn(cw: inprocess.CallWrapper = None):
+    if cw.iteration == 0:
+        time.sleep(30)
+    return cw.iteration
+print("returned", fn())
+"""
+
+
+@pytest.mark.parametrize("mode", ["signal", "bytecode"])
+def test_blocking_sleep_soft_interrupt_or_hard_kill(mode, tmp_path):
+    import subprocess
+
+    from trainguard.testing import free_port
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "MASTER_PORT", "TRAINGUARD_STORE_PORT")}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _SLEEPER, mode, str(free_port())], env=env,
+                         capture_output=True, text=True, timeout=60, check=False)
+    elapsed = time.monotonic() - start
+    if mode == "signal":  # the soft timeout ends the sleep; the restart completes
+        assert out.returncode == 0 and "returned 1" in out.stdout, out.stderr[-2000:]
+    else:  # NVRx-style delivery cannot end time.sleep: the hard timeout kills the rank
+        assert out.returncode == -15, (out.returncode, out.stderr[-2000:])
+    assert elapsed < 20, f"took {elapsed:.1f} s"
