@@ -13,10 +13,12 @@ import contextlib
 import functools
 import gc
 import inspect
+import logging
 import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -170,10 +172,27 @@ class Wrapper:
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            _warn_if_logging_unconfigured()
             return _Runtime(self.config, fn, self.restart_health_check,
                             self.interrupt_blocking_calls).run(args, kwargs)
 
         return wrapped
+
+
+def _warn_if_logging_unconfigured() -> None:
+    """``UserWarning`` (shown once per process by Python's default filter) when neither the root
+    nor the ``trainguard`` logger has a handler: restarts are reported through ``logging``.
+
+    Follows: NVRx's Wrapper, which warns the same way.
+    """
+    if (logging.getLogger().handlers or logging.getLogger("trainguard").handlers
+            or os.environ.get("TRAINGUARD_LOG_LEVEL")):
+        return
+    warnings.warn(
+        "logging is not configured: trainguard.inprocess reports restarts through the logging "
+        "module; call logging.basicConfig(level=logging.INFO) or set TRAINGUARD_LOG_LEVEL=INFO",
+        UserWarning, stacklevel=3,
+    )
 
 
 def _restart_health_check(user: Callable | None) -> Compose | None:
@@ -336,6 +355,8 @@ class _Runtime(LoopMixin):
             self.shutdown()
             env_restore(saved)
         self.run_completion()
+        log.info("in-process restart: call completed on initial rank %s at iteration %d",
+                 self.state.initial_rank, self.state.iteration)
         return self.ret if self.state.mode == Mode.ACTIVE else None
 
     def explain_exit(self, exc: BaseException) -> None:
@@ -361,8 +382,8 @@ class _Runtime(LoopMixin):
         if dist.is_available() and dist.is_initialized():
             raise ValueError(
                 "torch.distributed is already initialised when entering the in-process restart "
-                "wrapper; create the process group inside the wrapped function (e.g. with "
-                "CallWrapper.init_process_group())"
+                "wrapper (requires: not torch.distributed.is_initialized()); create the process "
+                "group inside the wrapped function (e.g. with CallWrapper.init_process_group())"
             )
         self.state = State.from_env()
         gc.freeze()  # keeps restart-time gc.collect() to the call's own objects
@@ -384,6 +405,8 @@ class _Runtime(LoopMixin):
         self.keys = co.Keys(call_id)
         self._initial_barrier()
         self.reassign(None)
+        log.info("in-process restart: call %d started, initial rank %s of %s", call_id,
+                 self.state.initial_rank, self.state.initial_world_size)
 
     def _store_source(self) -> tuple[Callable[[], dist.Store], dist.Store | None, int | None]:
         cfg = self.cfg
