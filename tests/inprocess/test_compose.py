@@ -54,9 +54,34 @@ def test_tuple_results_are_spread():
     assert Compose(lambda a, b: a - b)(5, 3) == 2  # several call arguments are spread too
 
 
-def test_none_result_warns_and_passes_input_on():
+def test_none_result_warns_and_the_chain_returns_none():
+    seen = []
     with pytest.warns(UserWarning, match="returned None"):
-        assert Compose(lambda x: x + 1, lambda x: None)(1) == 2
+        assert Compose(lambda x: seen.append(x), lambda x: None)(1) is None
+    assert seen == [None]  # the next stage got None, not the dropped input
+
+
+def test_stages_without_arguments_chain_silently(recwarn):
+    calls = []
+    assert Compose(lambda: calls.append("a"), lambda: calls.append("b"))() is None
+    assert calls == ["b", "a"] and not [w for w in recwarn if "returned None" in str(w.message)]
+
+
+def test_compose_is_an_instance_of_the_common_base():
+    class Base:
+        def __call__(self, x):
+            return x
+
+    class A(Base):
+        pass
+
+    class B(A):
+        pass
+
+    both = Compose(A(), B())
+    assert isinstance(both, Base) and isinstance(both, A) and not isinstance(both, B)
+    assert isinstance(both, Compose) and type(both) is Compose
+    assert not isinstance(Compose(A(), lambda x: x), Base)
 
 
 @pytest.mark.parametrize("args", [(), (1,), ("x", print)])

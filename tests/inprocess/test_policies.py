@@ -31,7 +31,7 @@ def test_retry_controller_max_iterations_means_attempts():
     assert isinstance(ctl, Initialize)
     for it in range(4):
         assert ctl(frozen(it)) is not None
-    with pytest.raises(RestartAbort, match=r"iteration 4 >= max_iterations=4") as info:
+    with pytest.raises(RestartAbort, match=r"iteration=4 >= max_iterations=4") as info:
         ctl(frozen(4))
     assert not isinstance(info.value, Exception)  # terminal: the rank leaves, no restart
 

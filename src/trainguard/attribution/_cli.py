@@ -49,6 +49,10 @@ def register(subparsers) -> list[str]:
     s.add_argument("--allow-anonymous", action="store_true",
                    help="serve without API keys; only with a loopback --host (127.0.0.1, ::1, "
                    "localhost)")
+    s.add_argument("--nvrx-trust-loopback", action="store_true",
+                   help="accept NVRx launcher calls (POST/GET /logs, which carry no API key) "
+                   "from 127.0.0.1/::1 without a key; remote NVRx clients use the endpoint "
+                   "http://HOST:PORT/k/<API-KEY>")
     s.add_argument("--db", help="sqlite:///PATH result store (default sqlite:///"
                    "$XDG_STATE_HOME/trainguard/attrsvc.db, i.e. ~/.local/state/trainguard/"
                    "attrsvc.db when XDG_STATE_HOME is unset; printed at startup)")
@@ -207,7 +211,8 @@ def _service_config(args):
                          db_url=args.db or default_db_url(), max_body_bytes=args.max_body,
                          rate_per_minute=args.rate_limit, workers=args.workers,
                          posters=posters, policy=RestartPolicy(),
-                         allow_anonymous=args.allow_anonymous)
+                         allow_anonymous=args.allow_anonymous,
+                         nvrx_trust_loopback=args.nvrx_trust_loopback)
 
 
 def _bind(host: str, port: int):
@@ -226,6 +231,28 @@ def _bind(host: str, port: int):
     return sock
 
 
+def _check_db(url: str) -> None:
+    """Open (and create) the result store once, before anything is announced.
+
+    Raises:
+        ConfigError: the URL is not SQLite, the file is not an SQLite database, or the location
+            cannot be created or written (the message names the path and the fix).
+    """
+    import sqlite3
+
+    from trainguard.attribution._store import ResultStore, db_path_from_url
+    from trainguard.errors import ConfigError
+
+    path = os.path.abspath(db_path_from_url(url)) if db_path_from_url(url) != ":memory:" else url
+    try:
+        ResultStore(url).close()
+    except (sqlite3.Error, OSError) as exc:
+        raise ConfigError(
+            f"--db {path}: cannot use it as the result store ({exc}); point --db at a writable "
+            "location, e.g. --db sqlite:///$HOME/attrsvc.db (a new file is created)"
+        ) from exc
+
+
 def _attrsvc(args) -> int:
     import uvicorn
 
@@ -234,8 +261,11 @@ def _attrsvc(args) -> int:
     from trainguard.errors import ConfigError
 
     try:
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port {args.port} is not a TCP port: use 1-65535 (or 0 to pick "
+                              "a free one)")
         cfg = _service_config(args)
-        db_path_from_url(cfg.db_url)
+        _check_db(cfg.db_url)
         sock = _bind(args.host, args.port)
     except (ConfigError, OSError) as exc:
         print(f"trainguard attrsvc: error: {exc}", file=sys.stderr)

@@ -6,6 +6,8 @@ Routes (all ``/v1`` routes need ``X-API-Key`` or ``Authorization: Bearer``):
 * ``GET  /v1/analyses/{id}``       status and, when completed, the result
 * ``GET  /v1/jobs/{job_id}/analyses``  every analysis of a job, by cycle
 * ``GET  /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
+* NVRx's launcher client: ``POST /logs``, ``GET /logs`` (and ``/k/<key>/logs``), see
+  ``_nvrx_routes``
 
 Errors are JSON ``{error_code, message}`` with a 4xx status.
 
@@ -22,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from trainguard.attribution._nvrx_routes import add_nvrx_routes
 from trainguard.attribution._svc_core import AnalysisService, ServiceConfig
 from trainguard.attribution._svc_security import (
     ApiError,
@@ -145,6 +148,8 @@ def create_app(cfg: ServiceConfig) -> FastAPI:
     @app.get("/v1/jobs/{job_id}/analyses", response_model=JobAnalyses, responses=_ERRORS)
     def by_job(job_id: str, svc: Svc) -> JobAnalyses:
         return JobAnalyses(job_id=job_id, analyses=[_view(r) for r in svc.store.by_job(job_id)])
+
+    add_nvrx_routes(app, lambda: holder["svc"], keys, limiter, cfg.nvrx_trust_loopback)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

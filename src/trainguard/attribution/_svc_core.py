@@ -58,6 +58,8 @@ class ServiceConfig:
         max_paths: most log paths in one request.
         posters: result posting backends (``_posting``), called after each analysis.
         policy: restart-agent limits.
+        nvrx_trust_loopback: accept NVRx's header-less ``/logs`` calls from 127.0.0.1/::1
+            without a key (other NVRx clients put the key in the URL: ``/k/<key>/logs``).
     """
 
     allowed_roots: list[str]
@@ -70,6 +72,7 @@ class ServiceConfig:
     posters: list[Any] = field(default_factory=list)
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     allow_anonymous: bool = False
+    nvrx_trust_loopback: bool = False
 
     def __post_init__(self) -> None:
         if not self.allowed_roots:

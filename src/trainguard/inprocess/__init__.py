@@ -7,6 +7,53 @@ hierarchy, and (when present) rank-assignment classes and health checks.
 Follows: NVRx ``nvidia_resiliency_ext.inprocess``.
 """
 
+# NVRx module paths (``inprocess.exception``, ``inprocess.store`` ...), bound as attributes so
+# ``inprocess.<module>.<name>`` works after ``import trainguard.inprocess as inprocess``.
+from trainguard.inprocess import (
+    abort as abort,
+)
+from trainguard.inprocess import (
+    completion as completion,
+)
+from trainguard.inprocess import (
+    compose as compose,
+)
+from trainguard.inprocess import (
+    exception as exception,
+)
+from trainguard.inprocess import (
+    finalize as finalize,
+)
+from trainguard.inprocess import (
+    health_check as health_check,
+)
+from trainguard.inprocess import (
+    initialize as initialize,
+)
+from trainguard.inprocess import (
+    monitor_thread as monitor_thread,
+)
+from trainguard.inprocess import (
+    nested_restarter as nested_restarter,
+)
+from trainguard.inprocess import (
+    progress_watchdog as progress_watchdog,
+)
+from trainguard.inprocess import (
+    rank_assignment as rank_assignment,
+)
+from trainguard.inprocess import (
+    state as state,
+)
+from trainguard.inprocess import (
+    store as store,
+)
+from trainguard.inprocess import (
+    terminate as terminate,
+)
+from trainguard.inprocess import (
+    wrap as wrap,
+)
 from trainguard.inprocess.abort import Abort, AbortTorchDistributed
 from trainguard.inprocess.completion import Completion
 from trainguard.inprocess.compose import Compose

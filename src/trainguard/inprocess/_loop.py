@@ -44,6 +44,7 @@ from trainguard.inprocess._watchdog import Phase
 from trainguard.inprocess.exceptions import (
     BarrierTimeout,
     HealthCheckError,
+    InternalError,
     RankShouldRestart,
     RestartTimeout,
 )
@@ -150,6 +151,12 @@ class LoopMixin:
                 raise HealthCheckError(f"health check failed: {exc!r}") from exc
         self.mark_reentry()
         ret = None
+        if self.state.mode not in (Mode.ACTIVE, Mode.INACTIVE):  # never skip fn silently
+            raise InternalError(
+                f"rank assignment left rank {self.state.rank} (initial rank "
+                f"{self.state.initial_rank}) in mode {self.state.mode.name}; it must return a "
+                "state with mode ACTIVE or INACTIVE (end it with a filter such as "
+                "ActivateAllRanks()); restarting")
         if self.state.mode == Mode.ACTIVE:
             from trainguard.inprocess._inject import bind_call_wrapper
 
@@ -283,9 +290,10 @@ class LoopMixin:
         frozen = self.state.freeze()
         if self.cfg.finalize is not None:
             self.cfg.finalize(frozen)
-        if self.cfg.health_check is not None:
+        check = getattr(self, "restart_check", None) or self.cfg.health_check
+        if check is not None:
             try:
-                self.cfg.health_check(frozen)
+                check(frozen)
             except Exception as exc:
                 raise HealthCheckError(f"restart health check failed: {exc!r}") from exc
         marks.append(("finalized", time.time()))

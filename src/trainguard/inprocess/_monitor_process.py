@@ -210,6 +210,9 @@ class _Monitor:
         self.sibling_armed = False
 
     def run(self) -> None:
+        # NVRx-compatible first line of the log file (names the process and the trainer)
+        self.log.info("monitor_process pid=%d target_pid=%d initial_rank=%d started",
+                      os.getpid(), self.trainer, self.cfg.initial_rank)
         if self.cfg.pidfile:
             with open(self.cfg.pidfile, "w") as fh:
                 fh.write(f"{os.getpid()}\n")

@@ -19,7 +19,7 @@ from trainguard._core.logging import get_logger
 from trainguard.inprocess import _transport
 from trainguard.inprocess.state import FrozenState
 
-__all__ = ["Abort", "AbortTorchDistributed"]
+__all__ = ["Abort", "AbortTorchDistributed", "AbortTransformerEngine"]
 
 _log = get_logger("trainguard.inprocess")
 
@@ -96,3 +96,7 @@ def _cuda_backend(pg):
         return pg._get_backend(torch.device("cuda"))
     except Exception:  # noqa: BLE001 - a group without a CUDA backend
         return None
+
+
+# NVRx module path ``inprocess.abort.AbortTransformerEngine``; defined in its own module.
+from trainguard.inprocess._abort_te import AbortTransformerEngine

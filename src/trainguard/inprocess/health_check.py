@@ -27,6 +27,9 @@ from trainguard.inprocess.exceptions import FaultCounterExceeded, HealthCheckErr
 from trainguard.inprocess.state import FrozenState
 
 __all__ = [
+    "ChainedGPUHealthCheck",
+    "ChainedNVLHealthCheck",
+    "ChainedNicHealthCheck",
     "CudaHealthCheck",
     "FaultCounter",
     "HealthCheck",
@@ -252,3 +255,70 @@ def default_health_check(
     if torch.cuda.is_available():
         checks.insert(0, CudaHealthCheck(timeout, device))
     return Compose(*checks)
+
+
+class ChainedGPUHealthCheck(CudaHealthCheck):
+    """The GPU stage of the automatic restart health chain, for one device.
+
+    Synchronizes ``cuda:device_index`` with a timeout (see :class:`CudaHealthCheck`); a host
+    without CUDA passes (not applicable).
+
+    Args:
+        device_index: CUDA device index (the Wrapper passes ``LOCAL_RANK``).
+        timeout: limit for the synchronize (timedelta or seconds, default 30 s).
+
+    Raises:
+        HealthCheckError: the synchronize raised or timed out.
+
+    Follows: NVRx ``health_check.ChainedGPUHealthCheck`` (same name and ``device_index``);
+    difference: NVRx asks NVML for a recovery action and fails on hosts without a driver.
+    """
+
+    def __init__(self, device_index: int, timeout: timedelta | float = timedelta(seconds=30)):
+        super().__init__(timeout, device_index)
+        self.device_index = device_index
+
+    def __repr__(self) -> str:
+        return f"ChainedGPUHealthCheck(device_index={self.device_index})"
+
+
+class ChainedNVLHealthCheck(HealthCheck):
+    """The NVLink stage of the automatic restart health chain: reports, never fails.
+
+    With NVML available (``pynvml``) it logs a WARNING for each NVLink of ``device_index`` that
+    reports inactive; without NVML or CUDA it does nothing. Blocks for the NVML queries only.
+
+    Follows: NVRx ``health_check.ChainedNVLHealthCheck``, whose result is ignored there too.
+    """
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+
+    def __repr__(self) -> str:
+        return f"ChainedNVLHealthCheck(device_index={self.device_index})"
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        if not torch.cuda.is_available():
+            return state
+        try:
+            import pynvml  # type: ignore[import-not-found]
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            down = []
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        down.append(link)
+                except pynvml.NVMLError:
+                    continue
+            if down:
+                _log.warning("NVLink check: links %s of cuda:%d are inactive (rank %s)",
+                             down, self.device_index, state.rank)
+        except Exception:  # noqa: BLE001 - no NVML: not applicable, as documented
+            _log.debug("NVLink check skipped (NVML unavailable)", exc_info=True)
+        return state
+
+
+ChainedNicHealthCheck = NicHealthCheck
+"""Alias of :class:`NicHealthCheck` under NVRx's name (same behaviour)."""

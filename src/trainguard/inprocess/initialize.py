@@ -76,7 +76,7 @@ class RetryController(Initialize):
         """Human descriptions of the limits ``state`` violates (empty: keep going)."""
         out = []
         if self.max_iterations is not None and state.iteration >= self.max_iterations:
-            out.append(f"iteration {state.iteration} >= max_iterations={self.max_iterations}")
+            out.append(f"iteration={state.iteration} >= max_iterations={self.max_iterations}")
         if self.min_world_size is not None and state.world_size < self.min_world_size:
             out.append(f"world_size {state.world_size} < min_world_size={self.min_world_size}")
         active, floor = state.active_world_size, self.min_active_world_size

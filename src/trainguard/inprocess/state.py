@@ -59,6 +59,7 @@ class State:
         active_rank, active_world_size: exported as ``RANK``/``WORLD_SIZE`` to the wrapped
             function; ``active_rank`` is None for an inactive (reserve) rank.
         initial_rank, initial_world_size: values from the environment at creation; never change.
+            They default to ``rank``/``world_size`` when not given (as NVRx).
         iteration: restart counter, 0 on the first attempt of each call.
         mode: see :class:`Mode`.
         fn_exception: this rank's own exception in the current iteration (None if the fault was
@@ -74,6 +75,14 @@ class State:
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
     fn_exception: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        # NVRx compatibility: ``State(rank, world_size)`` is the state at creation, so the
+        # initial values default to the given ones (steps keyed by initial rank rely on it).
+        if self.initial_rank is None:
+            self.initial_rank = self.rank
+        if self.initial_world_size is None:
+            self.initial_world_size = self.world_size
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> State:

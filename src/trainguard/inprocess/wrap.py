@@ -13,6 +13,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -36,7 +37,9 @@ from trainguard.inprocess._monitor_process import MonitorConfig, MonitorProcess
 from trainguard.inprocess._monitor_thread import Interrupter
 from trainguard.inprocess._watchdog import Phase, ProgressBlock, ProgressWatchdog
 from trainguard.inprocess.abort import AbortTorchDistributed
+from trainguard.inprocess.compose import Compose
 from trainguard.inprocess.exceptions import BarrierTimeout
+from trainguard.inprocess.health_check import ChainedGPUHealthCheck, ChainedNVLHealthCheck
 from trainguard.inprocess.state import FrozenState, Mode, State
 
 __all__ = ["CallWrapper", "RestartRecord", "Wrapper"]
@@ -93,6 +96,10 @@ class Wrapper:
         monitor_process_logfile / monitor_process_pidfile: absolute paths; ``{rank}`` becomes
             the initial rank.
         enabled: False returns ``fn`` unchanged.
+        interrupt_blocking_calls: True (default) delivers the restart interrupt with a signal,
+            which also ends blocking calls such as ``time.sleep`` or a socket read; False
+            delivers it only at the next bytecode boundary (as NVRx), so a rank stuck in a C
+            call is left to the hard timeout, which kills it.
 
     Raises:
         TypeError: a value of the wrong type.
@@ -144,6 +151,7 @@ class Wrapper:
         monitor_process_logfile: str | None = None,
         monitor_process_pidfile: str | None = None,
         enabled: bool = True,
+        interrupt_blocking_calls: bool = True,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"Wrapper: enabled must be a bool, got {enabled!r}")
@@ -170,6 +178,11 @@ class Wrapper:
             durations, hooks, store_factory, store_kwargs,
             monitor_process_logfile, monitor_process_pidfile,
         )
+        self.restart_health_check = _restart_health_check(health_check)
+        if not isinstance(interrupt_blocking_calls, bool):
+            raise TypeError("Wrapper: interrupt_blocking_calls must be a bool, got "
+                            f"{interrupt_blocking_calls!r}")
+        self.interrupt_blocking_calls = interrupt_blocking_calls
 
     def __call__(self, fn: Callable) -> Callable:
         if not self.enabled:
@@ -177,9 +190,42 @@ class Wrapper:
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            return _Runtime(self.config, fn).run(args, kwargs)
+            _warn_if_logging_unconfigured()
+            return _Runtime(self.config, fn, self.restart_health_check,
+                            self.interrupt_blocking_calls).run(args, kwargs)
 
         return wrapped
+
+
+def _warn_if_logging_unconfigured() -> None:
+    """``UserWarning`` (shown once per process by Python's default filter) when neither the root
+    nor the ``trainguard`` logger has a handler: restarts are reported through ``logging``.
+
+    Follows: NVRx's Wrapper, which warns the same way.
+    """
+    if (logging.getLogger().handlers or logging.getLogger("trainguard").handlers
+            or os.environ.get("TRAINGUARD_LOG_LEVEL")):
+        return
+    warnings.warn(
+        "logging is not configured: trainguard.inprocess reports restarts through the logging "
+        "module; call logging.basicConfig(level=logging.INFO) or set TRAINGUARD_LOG_LEVEL=INFO",
+        UserWarning, stacklevel=3,
+    )
+
+
+def _restart_health_check(user: Callable | None) -> Compose | None:
+    """The check run after a fault: ``Compose(*user, GPU, NVL)`` for device ``LOCAL_RANK``.
+
+    Runs NVL, then GPU, then the user's checks. None without an integer ``LOCAL_RANK`` (the
+    loop then runs the user's ``health_check`` alone). Both device checks pass on hosts
+    without CUDA. Follows: NVRx ``Wrapper.restart_health_check``.
+    """
+    local = os.environ.get("LOCAL_RANK", "")
+    if not local.isdigit():
+        return None
+    users = [] if user is None else list(user.instances if isinstance(user, Compose) else [user])
+    return Compose(*users, ChainedGPUHealthCheck(device_index=int(local)),
+                   ChainedNVLHealthCheck(device_index=int(local)))
 
 
 class CallWrapper:
@@ -304,8 +350,11 @@ def _unwrapped_excepthook(hook: Callable) -> Callable:
 class _Runtime(LoopMixin):
     """Resources and phases of one call (owned by the calling thread)."""
 
-    def __init__(self, cfg: WrapperConfig, fn: Callable) -> None:
+    def __init__(self, cfg: WrapperConfig, fn: Callable,
+                 restart_check: Callable | None = None, signal_interrupt: bool = True) -> None:
         self.cfg, self.fn = cfg, fn
+        self.restart_check = restart_check
+        self.signal_interrupt = signal_interrupt
         self.call_wrapper = CallWrapper(self)
         self.records: list[RestartRecord] = []
         self.atomic_lock = threading.RLock()
@@ -350,6 +399,8 @@ class _Runtime(LoopMixin):
             self.shutdown()
             env_restore(saved)
         self.run_completion()
+        log.info("in-process restart: call completed on initial rank %s at iteration %d",
+                 self.state.initial_rank, self.state.iteration)
         return self.ret if self.state.mode == Mode.ACTIVE else None
 
     def explain_exit(self, exc: BaseException) -> None:
@@ -375,8 +426,8 @@ class _Runtime(LoopMixin):
         if dist.is_available() and dist.is_initialized():
             raise ValueError(
                 "torch.distributed is already initialised when entering the in-process restart "
-                "wrapper; create the process group inside the wrapped function (e.g. with "
-                "CallWrapper.init_process_group())"
+                "wrapper (requires: not torch.distributed.is_initialized()); create the process "
+                "group inside the wrapped function (e.g. with CallWrapper.init_process_group())"
             )
         self.state = State.from_env()
         if "WORLD_SIZE" not in os.environ:
@@ -397,7 +448,8 @@ class _Runtime(LoopMixin):
         self.monitor.send(op="start", call=call_id)
         self.watchdog = ProgressWatchdog(self.block, self.cfg.progress_watchdog_interval_s)
         self.watchdog.start()
-        self.interrupter.install()
+        if self.signal_interrupt:
+            self.interrupter.install()
         self.interrupter.install_unraisable_hook()
         self.keys = co.Keys(call_id)
         keys = self.keys
@@ -406,6 +458,8 @@ class _Runtime(LoopMixin):
         _pg_guard.install()
         self._initial_barrier()
         self.reassign(None)
+        log.info("in-process restart: call %d started, initial rank %s of %s", call_id,
+                 self.state.initial_rank, self.state.initial_world_size)
 
     def _store_source(self) -> tuple[Callable[[], dist.Store], dist.Store | None, int | None]:
         cfg = self.cfg

@@ -21,6 +21,7 @@ Protocol for the restart loop (run on every rank, with that rank's own State):
 Steps never mutate the ctx or state they are given; always use the returned ctx.
 """
 
+from trainguard.inprocess.exceptions import RankDiscarded
 from trainguard.inprocess.rank_assignment._base import RankAssignment, RankAssignmentCtx, RankFilter
 from trainguard.inprocess.rank_assignment._filter_count import FilterCountGroupedByKey
 from trainguard.inprocess.rank_assignment._simple import (
@@ -44,6 +45,7 @@ __all__ = [
     "MaxActiveWorldSize",
     "RankAssignment",
     "RankAssignmentCtx",
+    "RankDiscarded",
     "RankFilter",
     "ShiftRanks",
     "Tree",

@@ -112,6 +112,8 @@ def _positive_int(name: str, value: object) -> int:
 class MaxActiveWorldSize(RankFilter):
     """Cap the number of active ranks: A = min(previous A (W the first time), W, n).
 
+    ``n=None`` (the default, as NVRx) means no cap beyond W.
+
     Ranks ``0 .. A-1`` are active, the rest are reserve. Because A starts from its previous
     value, a reserve rank takes over a lost active one and A never grows.
 
@@ -119,11 +121,15 @@ class MaxActiveWorldSize(RankFilter):
         ConfigError: ``n`` is not an int >= 1 (at construction).
     """
 
-    def __init__(self, max_active_world_size: int) -> None:
-        self.max_active_world_size = _positive_int("max_active_world_size", max_active_world_size)
+    def __init__(self, max_active_world_size: int | None = None) -> None:
+        self.max_active_world_size = (None if max_active_world_size is None else
+                                      _positive_int("max_active_world_size",
+                                                    max_active_world_size))
 
     def active_world_size(self, state: State) -> int:
-        return min(previous_active_world_size(state), state.world_size, self.max_active_world_size)
+        cap = state.world_size if self.max_active_world_size is None else \
+            self.max_active_world_size
+        return min(previous_active_world_size(state), state.world_size, cap)
 
     def __repr__(self) -> str:
         return f"MaxActiveWorldSize({self.max_active_world_size})"
@@ -132,14 +138,14 @@ class MaxActiveWorldSize(RankFilter):
 class ActiveWorldSizeDivisibleBy(RankFilter):
     """Round A down to a multiple of ``divisor``: A = floor(min(previous A, W) / d) * d.
 
-    Ranks ``0 .. A-1`` are active. A may become 0 (no active rank); bound that with
+    ``divisor`` defaults to 1 (as NVRx). Ranks ``0 .. A-1`` are active. A may become 0 (no active rank); bound that with
     ``RetryController(min_active_world_size=...)``.
 
     Raises:
         ConfigError: ``divisor`` is not an int >= 1 (at construction).
     """
 
-    def __init__(self, divisor: int) -> None:
+    def __init__(self, divisor: int = 1) -> None:
         self.divisor = _positive_int("divisor", divisor)
 
     def active_world_size(self, state: State) -> int:

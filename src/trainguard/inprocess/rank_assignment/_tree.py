@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -68,6 +70,12 @@ def _gather(store: dist.Store, ns: str, count: int, timeout_s: float) -> list[tu
     raw = store.multi_get([f"{ns}/rec/{i}" for i in range(count)])
     records = [json.loads(r) for r in raw]
     return [(int(r["initial_rank"]), tuple(r["keys"])) for r in records]
+
+
+def _exchanges_keys(store: object) -> bool:
+    """A store offering NVRx's key exchange (``send_key``/``get_keys``) rather than c10d's."""
+    return (store is not None and not isinstance(store, dist.Store)
+            and hasattr(store, "send_key") and hasattr(store, "get_keys"))
 
 
 class Tree(RankAssignment):
@@ -142,9 +150,13 @@ class Tree(RankAssignment):
         dead = ctx.terminated_ranks
         if self._model is None or state.mode is Mode.INITIALIZED:
             self._model = None
-            if state.rank in dead:
-                raise discard(state, self, f"it is in the terminated set {sorted(dead)}")
-            model, own = self._build(ctx, state), state.rank - sum(r < state.rank for r in dead)
+            if _exchanges_keys(ctx.store):
+                model, own = self._build_from_key_store(ctx, state), state.rank
+            else:
+                if state.rank in dead:
+                    raise discard(state, self, f"it is in the terminated set {sorted(dead)}")
+                model = self._build(ctx, state)
+                own = state.rank - sum(r < state.rank for r in dead)  # type: ignore[operator]
         else:
             model = self._model
             if len(model.order) != state.world_size:
@@ -169,6 +181,43 @@ class Tree(RankAssignment):
         return dataclasses.replace(
             ctx, state=self._result(model, own, state), terminated_ranks=set()
         )
+
+    def _build_from_key_store(self, ctx: RankAssignmentCtx, state: State) -> TreeModel:
+        """Build from a store with NVRx's key-exchange methods (every rank's path at once).
+
+        The terminated ranks of this first call are applied after the build, as NVRx does.
+        """
+        store: Any = ctx.store
+        frozen = state.freeze()
+        store.send_key([resolve_key(x.key_or_fn, frozen, x) for x in self.layers], state.rank)
+        ranks = list(range(state.world_size))
+        paths = store.get_keys(ranks)
+        states = store.get_states(ranks) if hasattr(store, "get_states") else [None] * len(ranks)
+        initial = [r if s is None or getattr(s, "initial_rank", None) is None else s.initial_rank
+                   for r, s in zip(ranks, states, strict=True)]
+        model = TreeModel(self.layers, [(ir, tuple(p)) for ir, p in
+                                        zip(initial, paths, strict=True)])
+        model.activate_initial(self.world_size_filter)
+        if ctx.terminated_ranks:
+            model.reassign(set(ctx.terminated_ranks), self.world_size_filter)
+        return model
+
+    @property
+    def init_rank_map(self) -> dict[int, Any]:
+        """Initial rank -> node with ``.state`` (a :class:`State` of that rank), from the cached
+        tree; empty before the first call. For NVRx code; prefer :meth:`table`."""
+        model = self._model
+        if model is None:
+            return {}
+        rank_of = {leaf: r for r, leaf in enumerate(model.order)}
+        out: dict[int, Any] = {}
+        for leaf, initial in enumerate(model.initial):
+            out[initial] = types.SimpleNamespace(state=State(
+                rank=rank_of.get(leaf), world_size=len(model.order),
+                active_rank=model.active[leaf], active_world_size=model.active_world_size,
+                initial_rank=initial, initial_world_size=len(model.initial),
+                mode=model.mode[leaf]))
+        return out
 
     def _build(self, ctx: RankAssignmentCtx, state: State) -> TreeModel:
         store = require_store(ctx, self)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -16,7 +18,7 @@ from trainguard._core.logging import get_logger
 from trainguard.errors import ConfigError
 from trainguard.inprocess.state import Mode
 
-__all__ = ["Layer", "LayerFlag", "TreeEntry", "TreeModel"]
+__all__ = ["Layer", "LayerFlag", "TreeEntry", "TreeLayoutError", "TreeModel"]
 
 _log = get_logger("trainguard.inprocess.rank_assignment")
 
@@ -33,7 +35,7 @@ class LayerFlag(enum.Flag):
     BACKFILL = enum.auto()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Layer:
     """One depth level of a :class:`Tree` (the first is the root, the last groups the ranks).
 
@@ -47,6 +49,9 @@ class Layer:
             layer's key must be the same on every rank.
         flag: :class:`LayerFlag` bits (None: neither).
 
+    Fields may be changed after construction (as in NVRx); :class:`Tree` validates them again
+    when it builds its tree.
+
     Raises:
         ConfigError: invalid ``min_ranks``/``max_ranks``/``flag``.
     """
@@ -57,6 +62,10 @@ class Layer:
     flag: LayerFlag | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields (see the class docstring); ``flag=None`` becomes ``LayerFlag(0)``."""
         if (
             isinstance(self.min_ranks, bool)
             or not isinstance(self.min_ranks, int)
@@ -72,9 +81,35 @@ class Layer:
                 f"Layer max_ranks must be None or an int >= 1, got {self.max_ranks!r}"
             )
         if self.flag is None:
-            object.__setattr__(self, "flag", LayerFlag(0))
+            self.flag = LayerFlag(0)
         elif not isinstance(self.flag, LayerFlag):
             raise ConfigError(f"Layer flag must be a LayerFlag or None, got {self.flag!r}")
+
+
+class TreeLayoutError(ConfigError, RuntimeError):
+    """The ranks' key paths do not form one tree (a ``ConfigError``; also a ``RuntimeError``,
+    the type NVRx raises for it)."""
+
+
+def warn_if_not_rank_ordered(paths: Sequence[tuple]) -> None:
+    """Warn (``UserWarning``) when the tree's depth-first leaf order differs from rank order.
+
+    Spares and backfill follow tree order, so such a layout usually means a ``key_or_fn`` that
+    does not group neighbouring ranks (e.g. ``rank % 2`` instead of ``rank // 2``).
+    """
+    seen: dict[tuple, int] = {}
+    order = []
+    for keys in paths:
+        pos = []
+        for depth in range(len(keys)):
+            prefix = tuple(keys[: depth + 1])
+            pos.append(seen.setdefault(prefix, len(seen)))
+        order.append(tuple(pos))
+    if any(a > b for a, b in itertools.pairwise(order)):
+        warnings.warn(
+            "Tree: depth-first leaf order differs from rank order; check that each Layer's "
+            "key_or_fn groups neighbouring ranks", UserWarning, stacklevel=3,
+        )
 
 
 class TreeEntry(NamedTuple):
@@ -94,12 +129,15 @@ class TreeModel:
     """
 
     def __init__(self, layers: Sequence[Layer], records: Sequence[tuple[int, tuple]]) -> None:
+        for layer in layers:
+            layer.validate()
         roots = {keys[0] for _, keys in records}
         if len(roots) > 1:
-            raise ConfigError(
+            raise TreeLayoutError(
                 f"Tree: the root layer's key must be the same on every rank, got {sorted(roots)}; "
                 "give the first Layer a constant key_or_fn"
             )
+        warn_if_not_rank_ordered([keys for _, keys in records])
         self.layers = list(layers)
         self.flags = [x.flag if x.flag is not None else LayerFlag(0) for x in self.layers]
         self.initial = [ir for ir, _ in records]
