@@ -14,6 +14,7 @@ while the previous one is not committed yet, so a slow writer never blocks train
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import statistics
@@ -62,11 +63,16 @@ def save_checkpoint(path: os.PathLike, step: int, model: nn.Module, optimizer: t
     """
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        torch.save(checkpoint_state(step, model, optimizer), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(checkpoint_state(step, model, optimizer), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. ENOSPC: leave no torn temp file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_checkpoint(path: os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -82,11 +88,14 @@ def sync_save_ms(path: os.PathLike, step: int, model: nn.Module,
     rename) of the same state to ``path`` (removed afterwards): what each checkpoint used to
     block training."""
     times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        save_checkpoint(path, step, model, optimizer)
-        times.append((time.perf_counter() - t0) * 1e3)
-    os.unlink(path)
+    try:
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            save_checkpoint(path, step, model, optimizer)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     return statistics.median(times), min(times)
 
 
@@ -134,7 +143,8 @@ class DemoCheckpoints:
         path = self.config.checkpoint_dir / f"warmup_rank{rank}.pt"
         self.ckpt.async_save({"rank": rank, "probe": torch.zeros(4)}, str(path))
         self.ckpt.wait()
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):  # not written: the report lists the failure
+            os.unlink(path)
         seconds = time.perf_counter() - t0
         self.log.emit("checkpoint_writer_ready", seconds=round(seconds, 3))
         return seconds
@@ -208,9 +218,14 @@ class DemoCheckpoints:
             return
         if self.rank == 0 and not self.measured_sync:  # once, outside the timed part
             self.measured_sync = True
-            ms, low = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)
-            self.log.emit("checkpoint_sync", step=step, ms=round(ms, 3), min_ms=round(low, 3),
-                          samples=SYNC_SAMPLES)
+            try:
+                ms, low = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)
+            except OSError as exc:  # a full or read-only disk: a measurement, not a fault
+                self.log.emit("checkpoint_sync_failed", step=step,
+                              error=f"{type(exc).__name__}: {exc}"[:300])
+            else:
+                self.log.emit("checkpoint_sync", step=step, ms=round(ms, 3),
+                              min_ms=round(low, 3), samples=SYNC_SAMPLES)
             t0 = time.perf_counter()
         with call_wrapper.atomic():  # the abort never sees a half-submitted save
             req = ckpt.save(checkpoint_state(step, model, optimizer), step)
@@ -233,8 +248,10 @@ class DemoCheckpoints:
                               error=f"{type(exc).__name__}: {exc}"[:300])
                 done = []
             commit_ms = (time.perf_counter() - t0) * 1e3
-            if ckpt.failed_saves > failed:
-                self.log.emit("checkpoint_failed", step=req.step, iteration=iteration)
+            if ckpt.failed_saves > failed:  # the write or the commit failed (e.g. ENOSPC)
+                error = req.record.get("error") if isinstance(req.record, dict) else None
+                self.log.emit("checkpoint_failed", step=req.step, iteration=iteration,
+                              error=str(error or "see the rank's log")[:300])
             if req.step in done and self.rank == 0:
                 self.log.emit("checkpoint", step=req.step, iteration=iteration,
                               committed_at=self.step, block_ms=round(block_s * 1e3, 3),

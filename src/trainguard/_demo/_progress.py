@@ -45,8 +45,12 @@ class RunView:
             self.console.print(message, highlight=False)
 
     def feed(self, events: list[dict], live: bool) -> None:
-        """Update from new events; without a live display, print notable ones."""
-        for e in events:
+        """Update from new events; without a live display, print notable ones.
+
+        Events are handled in time order, not file order: one poll may bring a restart logged
+        by rank 0 together with the fault that caused it, logged earlier by rank 1.
+        """
+        for e in sorted(events, key=lambda e: float(e.get("t", 0.0))):
             rank, ev = e["rank"], e["ev"]
             if ev == "start":
                 self.status[rank] = "started; waiting for the wrapper (reserve ranks idle here)"

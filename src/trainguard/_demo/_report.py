@@ -6,7 +6,9 @@ Definitions (all times are wall-clock seconds from the event logs):
   fault fired in; the ranks' restart records for it are merged (earliest detection, latest
   re-entry).
 * ``detection_s``: injection -> the first rank's wrapper noticed the fault.
-* ``restart_s``: detection -> the last surviving rank re-entered the training function.
+* ``restart_s``: the wrapper's own figure, ``RestartRecord.restart_s`` (the fault as the wrapper
+  dated it -> the rank re-entered the training function; the number it logs as ``restart=``),
+  the largest over the ranks: the restart is over when the last surviving rank is back.
 * ``recovery_s``: injection -> the first training step completed after the restart (includes
   process-group set-up and the checkpoint reload).
 * ``steps_lost``: steps completed in the faulty iteration past the checkpoint the restart
@@ -50,15 +52,27 @@ def restart_groups(events: dict[int, list[dict]]) -> dict[int, dict]:
         detected = [r for r in records if r.get("detection_time") is not None]
         first = min(detected, key=lambda r: r["detection_time"]) if detected else records[0]
         reentries = [r["reentry_time"] for r in records if r.get("reentry_time") is not None]
+        restarts = [_record_restart_s(r) for r in records]
         groups[target] = {
             "into_iteration": target,
             "cause": first.get("cause"),
             "fault_ranks": first.get("fault_ranks"),
             "detection_time": first.get("detection_time"),
             "reentry_time": max(reentries) if reentries else None,
+            "restart_s": max((x for x in restarts if x is not None), default=None),
             "reported_by": sorted({r["rank"] for r in records}),
         }
     return groups
+
+
+def _record_restart_s(record: dict) -> float | None:
+    """One rank's restart duration as its restart record defines it (``RestartRecord.restart_s``,
+    the figure the wrapper logs); from the record's times for records written without it."""
+    if record.get("restart_s") is not None:
+        return float(record["restart_s"])
+    if record.get("reentry_time") is None or record.get("fault_time") is None:
+        return None
+    return float(record["reentry_time"]) - float(record["fault_time"])
 
 
 # the wrapper's interruption causes, as the table shows them
@@ -102,10 +116,10 @@ def _fault_row(spec: FaultSpec, fired: dict | None, events: dict, groups: dict) 
     if group is None:
         row["detected_by"] = "no restart seen"
         return row
-    t_fault, t_detect, t_back = fired["t"], group["detection_time"], group["reentry_time"]
+    t_fault, t_detect = fired["t"], group["detection_time"]
     row["detected_by"] = _detected_by(group)
     row["detection_s"] = _round(t_detect - t_fault if t_detect is not None else None)
-    row["restart_s"] = _round(t_back - t_detect if None not in (t_back, t_detect) else None)
+    row["restart_s"] = _round(group["restart_s"])
     enters = [e for e in _of(events, "enter") if e["iteration"] == it + 1]
     later_steps = [e for e in _of(events, "step") if e["iteration"] > it]
     later_done = [e for e in _of(events, "done") if e["iteration"] > it]
@@ -150,6 +164,7 @@ def build_summary(
     exits: dict[int, str] | None = None,
     timed_out: bool = False,
     accuracy_target: float = ACCURACY_TARGET,
+    checkpoint_every: int | None = None,
 ) -> dict:
     """The ``summary.json`` object for one run (see the module docstring for the definitions).
 
@@ -160,6 +175,13 @@ def build_summary(
         wall_s: the demo's wall time, seconds.
         exits: per initial rank, how its process ended (text).
         timed_out: the parent's global timeout expired.
+        checkpoint_every: steps between checkpoints; when given, the last checkpoint due
+            (step ``steps // checkpoint_every * checkpoint_every``) must be committed.
+
+    ``ok`` (PASS) means: every planned fault recovered, no unplanned restart, no failed
+    checkpoint save or commit, the checkpoints due committed, training finished every step at
+    the target accuracy, and the global timeout did not expire. Otherwise ``problems`` lists
+    each reason in a sentence.
     """
     fired = {e["index"]: e for e in _of(events, "fault")}
     groups = restart_groups(events)
@@ -168,8 +190,14 @@ def build_summary(
     done = _of(events, "done")
     accuracy = done[-1]["accuracy"] if done else None
     good = _goodput(events, wall_s)
+    unplanned = [g for t, g in groups.items() if t not in matched]
+    ck = checkpoint_summary(events)
     problems = [f"{spec.label} not recovered ({row['detected_by']})"
                 for spec, row in zip(faults, rows) if not row["recovered"]]
+    problems += [f"unplanned restart into iteration {g['into_iteration']}: {_detected_by(g)}"
+                 for g in unplanned]
+    planned_its = {int(fired[i]["iteration"]) for i in range(len(faults)) if i in fired}
+    problems += _checkpoint_problems(events, ck, steps, checkpoint_every, planned_its)
     if accuracy is None:
         problems.append("training did not finish (no accuracy)")
     elif accuracy < accuracy_target:
@@ -188,13 +216,46 @@ def build_summary(
         **{k: v for k, v in good.items() if k != "goodput"},
         "steps": steps,
         "restarts": len(groups),
-        "unplanned_restarts": [g for t, g in groups.items() if t not in matched],
+        "unplanned_restarts": unplanned,
         "exits": {str(k): v for k, v in sorted((exits or {}).items())},
         "timed_out": timed_out,
         "problems": problems,
         "ok": not problems,
-        "checkpoint": checkpoint_summary(events),
+        "checkpoint": ck,
     }
+
+
+def _checkpoint_problems(events: dict[int, list[dict]], ck: dict, steps: int,
+                         every: int | None, planned_iterations: set[int]) -> list[str]:
+    """Why the run's checkpoints do not count as working (empty when they do).
+
+    A failed write or commit is a problem; so is an error of the committer that is not the
+    abort of a planned fault's iteration, no commit at all although saves were made, and (when
+    ``every`` is given) a newest commit older than the last two checkpoints due (one may be
+    skipped while its predecessor is still in flight).
+    """
+    out = []
+    failed = _of(events, "checkpoint_failed")
+    if failed:
+        out.append(f"{len(failed)} checkpoint save(s) failed (first: step {failed[0].get('step')}: "
+                   f"{failed[0].get('error', 'see the rank logs')})")
+    errors = [e for e in _of(events, "checkpoint_error")
+              if e.get("iteration") not in planned_iterations]
+    if errors:
+        out.append(f"{len(errors)} checkpoint commit error(s) outside a planned fault (first: "
+                   f"{errors[0].get('error')})")
+    sync_failed = _of(events, "checkpoint_sync_failed")
+    if sync_failed:
+        out.append(f"the synchronous baseline save failed: {sync_failed[0].get('error')}")
+    last_due = (steps // every) * every if every else 0
+    newest = max(ck["committed_steps"], default=0)
+    if ck["saves"] and not ck["committed"]:
+        out.append(f"no checkpoint committed ({ck['saves']} saves)")
+    elif last_due and newest < last_due - every:  # type: ignore[operator]
+        # one skip is allowed: a save is skipped while the previous one is still in flight
+        out.append(f"checkpoints stopped committing: the newest is step {newest or 'none'}, "
+                   f"the last due was step {last_due}")
+    return out
 
 
 def _median(values: list[float]) -> float | None:

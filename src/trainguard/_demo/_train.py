@@ -118,6 +118,10 @@ def _record_fields(record: Any) -> dict:
         fields = dict(record)
     else:
         fields = {k: v for k, v in vars(record).items() if not k.startswith("_")}
+    for name in ("detection_s", "restart_s"):  # the record's own figures, as the wrapper logs them
+        value = getattr(record, name, None)
+        if isinstance(value, (int, float)):
+            fields[name] = value
     for key in ("ev", "t", "rank"):  # keep the event's own keys intact
         if key in fields:
             fields[f"record_{key}"] = fields.pop(key)

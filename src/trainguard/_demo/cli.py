@@ -6,8 +6,9 @@ Spawns ``--ranks`` active plus ``--reserve-ranks`` spare rank processes, each tr
 table of how each fault was detected and recovered, ``summary.json`` and ``timeline.png`` in
 ``--output-dir``.
 
-Exit status: 0 when every fault was recovered and the test accuracy reached 0.95; 1 otherwise
-(or when the global ``--timeout`` expired); 2 for bad arguments or an unusable ``--output-dir``
+Exit status: 0 (PASS) when every planned fault was recovered, no unplanned restart happened, the
+checkpoints committed (no failed save) and the test accuracy reached 0.95; 1 otherwise, with
+each problem listed (also when the global ``--timeout`` expired); 2 for bad arguments or an unusable ``--output-dir``
 (not a directory, not writable, or a non-empty directory the demo did not make: the demo only
 clears directories carrying its ``.trainguard-demo`` marker); 130 on Ctrl-C.
 """
@@ -28,8 +29,9 @@ _DESCRIPTION = (
     "Spawn active and reserve rank processes that train a classifier on scikit-learn's digits "
     "with DistributedDataParallel over gloo under trainguard.inprocess.Wrapper, inject a fault "
     "schedule, and report how each fault was detected and recovered (table, summary.json, "
-    "timeline.png). Exit status: 0 when every fault was recovered and test accuracy reached 0.95, "
-    "1 otherwise, 2 for bad arguments or an unusable --output-dir (the demo only clears an empty "
+    "timeline.png). Exit status: 0 (PASS) when every planned fault was recovered, no unplanned "
+    "restart happened, checkpoints committed and test accuracy reached 0.95; 1 otherwise (the "
+    "problems are listed), 2 for bad arguments or an unusable --output-dir (the demo only clears an empty "
     "directory or one it made, marked by a .trainguard-demo file)."
 )
 _DEFAULTS = {"ranks": 4, "reserve_ranks": 1, "steps": 160, "checkpoint_every": 10}
@@ -176,7 +178,7 @@ def _finish(config, result, console, wall_s: float) -> int:
     events = read_events(config.root / "events")
     summary = build_summary(
         events, list(config.faults), steps=config.steps, wall_s=wall_s,
-        exits=result.exits, timed_out=result.timed_out,
+        exits=result.exits, timed_out=result.timed_out, checkpoint_every=config.checkpoint_every,
     )
     summary["helpers_killed_by_parent"] = result.leftover
     summary["ranks_exited_s"] = round(result.ranks_s, 3)
