@@ -22,6 +22,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

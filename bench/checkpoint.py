@@ -1,4 +1,5 @@
-"""Benchmark: async checkpoint blocking/durable time vs torch.save, DCP async_save and machine limits.
+"""Benchmark: async checkpoint blocking/durable time vs torch.save, DCP async_save and machine
+limits.
 
 Usage: python bench/checkpoint.py --size-mb 256 [--dir /path] [--repeats 5] [--nvrx-python PY]
 
@@ -112,13 +113,21 @@ class Rounds:
 def nvrx(python: str | None) -> str:
     if not python:
         return "unavailable (no --nvrx-python given)"
-    probe = subprocess.run([python, "-c", "import nvidia_resiliency_ext"], capture_output=True,
-                           text=True, timeout=120, check=False)
+    probe = subprocess.run(
+        [python, "-c", "import nvidia_resiliency_ext"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if probe.returncode:
         return "unavailable (nvidia_resiliency_ext not importable: "
-        + probe.stderr.strip().splitlines()[-1][:120] + ")"
-    return "unavailable (NVRx async checkpointing needs CUDA; this machine has none)" \
-        if not torch.cuda.is_available() else "not measured"
+        +probe.stderr.strip().splitlines()[-1][:120] + ")"
+    return (
+        "unavailable (NVRx async checkpointing needs CUDA; this machine has none)"
+        if not torch.cuda.is_available()
+        else "not measured"
+    )
 
 
 def main() -> None:
@@ -143,17 +152,25 @@ def main() -> None:
     r["block_vs_memcpy"] = r["async_block_s"] / r["memcpy_s"]
     r["block_vs_dcp_async"] = r["async_block_s"] / r["dcp_async_block_s"]
     r["durable_vs_disk_limit"] = r["async_durable_s"] / disk_limit_s
-    r["targets_met"] = {"block<=1.5x_memcpy": r["block_vs_memcpy"] <= 1.5,
-                        "block<=0.5x_dcp_async": r["block_vs_dcp_async"] <= 0.5,
-                        "durable<=1.3x_disk_limit": r["durable_vs_disk_limit"] <= 1.3}
+    r["targets_met"] = {
+        "block<=1.5x_memcpy": r["block_vs_memcpy"] <= 1.5,
+        "block<=0.5x_dcp_async": r["block_vs_dcp_async"] <= 0.5,
+        "durable<=1.3x_disk_limit": r["durable_vs_disk_limit"] <= 1.3,
+    }
     table = Table(title=f"checkpoint of {args.size_mb} MiB ({N_TENSORS} float32 tensors), medians")
     for col in ("what", "blocking s", "durable s"):
         table.add_column(col)
     table.add_row("memcpy (limit)", f"{r['memcpy_s']:.4f}", "")
-    table.add_row(f"fsync'd write {r['disk_write_gbps']:.2f} GB/s (limit)", "", f"{disk_limit_s:.3f}")
+    table.add_row(
+        f"fsync'd write {r['disk_write_gbps']:.2f} GB/s (limit)", "", f"{disk_limit_s:.3f}"
+    )
     table.add_row("torch.save + fsync", f"{r['torch_save_s']:.3f}", f"{r['torch_save_s']:.3f}")
-    table.add_row("DCP async_save", f"{r['dcp_async_block_s']:.4f}", f"{r['dcp_async_durable_s']:.3f}")
-    table.add_row("trainguard AsyncCheckpointer", f"{r['async_block_s']:.4f}", f"{r['async_durable_s']:.3f}")
+    table.add_row(
+        "DCP async_save", f"{r['dcp_async_block_s']:.4f}", f"{r['dcp_async_durable_s']:.3f}"
+    )
+    table.add_row(
+        "trainguard AsyncCheckpointer", f"{r['async_block_s']:.4f}", f"{r['async_durable_s']:.3f}"
+    )
     table.add_row("NVRx", r["nvrx"], "")
     Console().print(table)
     print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}))

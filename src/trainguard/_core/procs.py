@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import psutil
 
@@ -25,7 +25,6 @@ __all__ = [
     "spawn_context",
     "terminate_pids",
     "terminate_processes",
-    "wait_any_sentinel",
 ]
 
 ProcLike = multiprocessing.process.BaseProcess | subprocess.Popen
@@ -54,13 +53,6 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-def wait_any_sentinel(procs: Sequence[multiprocessing.process.BaseProcess], timeout_s: float):
-    """Block until one of ``procs`` exits or ``timeout_s`` passes; returns the exited ones."""
-    sentinels = {p.sentinel: p for p in procs}
-    ready = multiprocessing.connection.wait(list(sentinels), timeout=timeout_s)
-    return [sentinels[s] for s in ready]
 
 
 def _signal(proc: ProcLike, sig: int) -> None:

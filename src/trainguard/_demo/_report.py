@@ -20,7 +20,8 @@ Definitions (all times are wall-clock seconds from the event logs):
   instead. ``rank_processes``: how many rank processes wrote events (active plus reserve).
 * ``checkpoint``: the asynchronous checkpoints: saves staged (all ranks) and commits, the
   median/max milliseconds a save blocked the training loop, the committer thread's finalize
-  and the save -> durable times, and the synchronous save of the same state timed once in the same run.
+  and the save -> durable times, and the synchronous save of the same state timed once in the
+  same run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ ACCURACY_TARGET = 0.95
 
 
 def _of(events: dict[int, list[dict]], ev: str) -> list[dict]:
-    return sorted((e for evs in events.values() for e in evs if e.get("ev") == ev), key=lambda e: e["t"])
+    return sorted(
+        (e for evs in events.values() for e in evs if e.get("ev") == ev), key=lambda e: e["t"]
+    )
 
 
 def restart_groups(events: dict[int, list[dict]]) -> dict[int, dict]:
@@ -103,9 +106,17 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 
 def _fault_row(spec: FaultSpec, fired: dict | None, events: dict, groups: dict) -> dict:
     row: dict[str, Any] = {
-        "kind": spec.kind, "rank": spec.rank, "step": spec.step, "fired": fired is not None,
-        "detected_by": None, "detection_s": None, "restart_s": None, "recovery_s": None,
-        "steps_lost": None, "world_size_after": None, "recovered": False,
+        "kind": spec.kind,
+        "rank": spec.rank,
+        "step": spec.step,
+        "fired": fired is not None,
+        "detected_by": None,
+        "detection_s": None,
+        "restart_s": None,
+        "recovery_s": None,
+        "steps_lost": None,
+        "world_size_after": None,
+        "recovered": False,
     }
     if fired is None:
         row["detected_by"] = "not fired"
@@ -192,10 +203,15 @@ def build_summary(
     good = _goodput(events, wall_s)
     unplanned = [g for t, g in groups.items() if t not in matched]
     ck = checkpoint_summary(events)
-    problems = [f"{spec.label} not recovered ({row['detected_by']})"
-                for spec, row in zip(faults, rows) if not row["recovered"]]
-    problems += [f"unplanned restart into iteration {g['into_iteration']}: {_detected_by(g)}"
-                 for g in unplanned]
+    problems = [
+        f"{spec.label} not recovered ({row['detected_by']})"
+        for spec, row in zip(faults, rows)
+        if not row["recovered"]
+    ]
+    problems += [
+        f"unplanned restart into iteration {g['into_iteration']}: {_detected_by(g)}"
+        for g in unplanned
+    ]
     planned_its = {int(fired[i]["iteration"]) for i in range(len(faults)) if i in fired}
     problems += _checkpoint_problems(events, ck, steps, checkpoint_every, planned_its)
     if accuracy is None:
@@ -225,8 +241,13 @@ def build_summary(
     }
 
 
-def _checkpoint_problems(events: dict[int, list[dict]], ck: dict, steps: int,
-                         every: int | None, planned_iterations: set[int]) -> list[str]:
+def _checkpoint_problems(
+    events: dict[int, list[dict]],
+    ck: dict,
+    steps: int,
+    every: int | None,
+    planned_iterations: set[int],
+) -> list[str]:
     """Why the run's checkpoints do not count as working (empty when they do).
 
     A failed write or commit is a problem; so is an error of the committer that is not the
@@ -237,13 +258,18 @@ def _checkpoint_problems(events: dict[int, list[dict]], ck: dict, steps: int,
     out = []
     failed = _of(events, "checkpoint_failed")
     if failed:
-        out.append(f"{len(failed)} checkpoint save(s) failed (first: step {failed[0].get('step')}: "
-                   f"{failed[0].get('error', 'see the rank logs')})")
-    errors = [e for e in _of(events, "checkpoint_error")
-              if e.get("iteration") not in planned_iterations]
+        out.append(
+            f"{len(failed)} checkpoint save(s) failed (first: step {failed[0].get('step')}: "
+            f"{failed[0].get('error', 'see the rank logs')})"
+        )
+    errors = [
+        e for e in _of(events, "checkpoint_error") if e.get("iteration") not in planned_iterations
+    ]
     if errors:
-        out.append(f"{len(errors)} checkpoint commit error(s) outside a planned fault (first: "
-                   f"{errors[0].get('error')})")
+        out.append(
+            f"{len(errors)} checkpoint commit error(s) outside a planned fault (first: "
+            f"{errors[0].get('error')})"
+        )
     sync_failed = _of(events, "checkpoint_sync_failed")
     if sync_failed:
         out.append(f"the synchronous baseline save failed: {sync_failed[0].get('error')}")
@@ -253,8 +279,10 @@ def _checkpoint_problems(events: dict[int, list[dict]], ck: dict, steps: int,
         out.append(f"no checkpoint committed ({ck['saves']} saves)")
     elif last_due and newest < last_due - every:  # type: ignore[operator]
         # one skip is allowed: a save is skipped while the previous one is still in flight
-        out.append(f"checkpoints stopped committing: the newest is step {newest or 'none'}, "
-                   f"the last due was step {last_due}")
+        out.append(
+            f"checkpoints stopped committing: the newest is step {newest or 'none'}, "
+            f"the last due was step {last_due}"
+        )
     return out
 
 
@@ -282,11 +310,15 @@ def checkpoint_summary(events: dict[int, list[dict]]) -> dict:
         "max_block_ms": round(max(block), 3) if block else None,
         "median_stage_ms": _median([float(e["stage_ms"]) for e in saves if "stage_ms" in e]),
         "median_commit_ms": _median([float(e["commit_ms"]) for e in commits if "commit_ms" in e]),
-        "median_durable_ms": _median([float(e["durable_ms"]) for e in commits if "durable_ms" in e]),
+        "median_durable_ms": _median(
+            [float(e["durable_ms"]) for e in commits if "durable_ms" in e]
+        ),
         "max_commit_lag_steps": max(lags) if lags else None,
         "sync_save_ms": sync_ms,
         "sync_save_min_ms": float(sync[0]["min_ms"]) if sync and "min_ms" in sync[0] else None,
-        "sync_vs_async_block": round(sync_ms / median_block, 1) if sync_ms and median_block else None,
+        "sync_vs_async_block": round(sync_ms / median_block, 1)
+        if sync_ms and median_block
+        else None,
     }
 
 
@@ -301,7 +333,10 @@ _COLUMNS = (  # (header, summary key or callable)
     ("restart\n(s)", lambda r: _fmt(r["restart_s"])),
     ("training\nagain (s)", lambda r: _fmt(r["recovery_s"])),
     ("steps\nlost", lambda r: "-" if r["steps_lost"] is None else str(r["steps_lost"])),
-    ("world size\nafter", lambda r: "-" if r["world_size_after"] is None else str(r["world_size_after"])),
+    (
+        "world size\nafter",
+        lambda r: "-" if r["world_size_after"] is None else str(r["world_size_after"]),
+    ),
     ("recovered", lambda r: "yes" if r["recovered"] else "NO"),
 )
 
@@ -310,7 +345,9 @@ def _fault_table(faults: list[dict], narrow: bool) -> Any:
     from rich import box
     from rich.table import Table
 
-    table = Table(title="trainguard demo: faults and recovery", title_style="bold", box=box.SIMPLE_HEAD)
+    table = Table(
+        title="trainguard demo: faults and recovery", title_style="bold", box=box.SIMPLE_HEAD
+    )
     if narrow:  # one column per fault, one row per measure
         table.show_header = False
         table.add_column("")
@@ -321,7 +358,12 @@ def _fault_table(faults: list[dict], narrow: bool) -> Any:
         return table
     for header, _ in _COLUMNS:
         text = header in ("fault", "detected by")
-        table.add_column(header, justify="left" if text else "right", no_wrap=not text, min_width=14 if text else None)
+        table.add_column(
+            header,
+            justify="left" if text else "right",
+            no_wrap=not text,
+            min_width=14 if text else None,
+        )
     for r in faults:
         table.add_row(*(get(r) for _, get in _COLUMNS), style=None if r["recovered"] else "red")
     return table
@@ -349,18 +391,27 @@ def render_table(summary: dict, width: int | None = None) -> Any:
     table = _fault_table(faults, narrow) if faults else Text("no faults injected")
     acc = summary["accuracy"]
     lines = [
-        f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})" if acc is not None
+        f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})"
+        if acc is not None
         else "accuracy: training did not finish",
         _goodput_line(summary),
         f"steps {summary['steps_completed']}/{summary['steps']}, restarts {summary['restarts']}"
-        + (f" ({len(summary['unplanned_restarts'])} unplanned)" if summary["unplanned_restarts"] else ""),
+        + (
+            f" ({len(summary['unplanned_restarts'])} unplanned)"
+            if summary["unplanned_restarts"]
+            else ""
+        ),
     ]
     ck = summary.get("checkpoint") or {}
     if ck.get("saves"):
-        sync = "not measured" if ck.get("sync_save_ms") is None else (
-            f"{ck['sync_save_ms']:.2f} ms (min {_fmt(ck.get('sync_save_min_ms'))})")
+        sync = (
+            "not measured"
+            if ck.get("sync_save_ms") is None
+            else (f"{ck['sync_save_ms']:.2f} ms (min {_fmt(ck.get('sync_save_min_ms'))})")
+        )
         lines.append(
-            f"checkpoints ({ck['format']}, async): {ck['committed']} committed, {ck['saves']} saves; "
+            f"checkpoints ({ck['format']}, async): {ck['committed']} committed, "
+            f"{ck['saves']} saves; "
             f"training blocked {_fmt(ck['median_block_ms'])} ms median (min "
             f"{_fmt(ck['min_block_ms'])}, max {_fmt(ck['max_block_ms'])}) per save vs {sync} for "
             f"a synchronous torch.save + fsync; committed off the loop in "

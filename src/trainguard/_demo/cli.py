@@ -8,7 +8,8 @@ table of how each fault was detected and recovered, ``summary.json`` and ``timel
 
 Exit status: 0 (PASS) when every planned fault was recovered, no unplanned restart happened, the
 checkpoints committed (no failed save) and the test accuracy reached 0.95; 1 otherwise, with
-each problem listed (also when the global ``--timeout`` expired); 2 for bad arguments or an unusable ``--output-dir``
+each problem listed (also when the global ``--timeout`` expired); 2 for bad arguments or an
+unusable ``--output-dir``
 (not a directory, not writable, or a non-empty directory the demo did not make: the demo only
 clears directories carrying its ``.trainguard-demo`` marker); 130 on Ctrl-C.
 """
@@ -31,7 +32,8 @@ _DESCRIPTION = (
     "schedule, and report how each fault was detected and recovered (table, summary.json, "
     "timeline.png). Exit status: 0 (PASS) when every planned fault was recovered, no unplanned "
     "restart happened, checkpoints committed and test accuracy reached 0.95; 1 otherwise (the "
-    "problems are listed), 2 for bad arguments or an unusable --output-dir (the demo only clears an empty "
+    "problems are listed), 2 for bad arguments or an unusable --output-dir (the demo only "
+    "clears an empty "
     "directory or one it made, marked by a .trainguard-demo file)."
 )
 _DEFAULTS = {"ranks": 4, "reserve_ranks": 1, "steps": 160, "checkpoint_every": 10}
@@ -68,29 +70,88 @@ def register(subparsers: argparse._SubParsersAction) -> list[str]:
 
     kinds = "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items())
     p = subparsers.add_parser(
-        "demo", help="train on digits under in-process restart while faults are injected",
+        "demo",
+        help="train on digits under in-process restart while faults are injected",
         description=_DESCRIPTION,
     )
-    p.add_argument("--ranks", metavar="N", type=_positive(int, 1), default=_DEFAULTS["ranks"], help="active ranks (default 4)")
-    p.add_argument("--reserve-ranks", metavar="N", type=_positive(int, 0), default=_DEFAULTS["reserve_ranks"],
-                   help="idle spare ranks that replace removed ones (default 1)")
-    p.add_argument("--faults", metavar="SCHEDULE", type=_faults, default=DEFAULT_FAULTS,
-                   help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}); "
-                   f"R is the initial rank; {kinds}")
-    p.add_argument("--seed", metavar="N", type=_positive(int, 0), default=0, help="data split, init and sampling seed (default 0)")
-    p.add_argument("--output-dir", metavar="DIR", default="trainguard-demo",
-                   help="where summary.json, timeline.png, logs and checkpoints go; must be new, empty "
-                   "or made by an earlier demo run (default ./trainguard-demo)")
-    p.add_argument("--steps", metavar="N", type=_positive(int, 1), default=_DEFAULTS["steps"], help="global training steps (default 160)")
-    p.add_argument("--checkpoint-every", metavar="N", type=_positive(int, 1), default=_DEFAULTS["checkpoint_every"],
-                   help="steps between checkpoints (default 10)")
-    p.add_argument("--batch-size", metavar="N", type=_positive(int, 1), default=32, help="samples per active rank per step (default 32)")
-    p.add_argument("--soft-timeout", metavar="S", type=_positive(float, 0.5), default=3.0,
-                   help="seconds without progress before a hung rank is interrupted (default 3)")
-    p.add_argument("--hard-timeout", metavar="S", type=_positive(float, 1.0), default=8.0,
-                   help="seconds without progress before a hung rank is killed (default 8)")
-    p.add_argument("--timeout", metavar="S", type=_positive(float, 10.0), default=170.0,
-                   help="global limit for the whole run, seconds (default 170)")
+    p.add_argument(
+        "--ranks",
+        metavar="N",
+        type=_positive(int, 1),
+        default=_DEFAULTS["ranks"],
+        help="active ranks (default 4)",
+    )
+    p.add_argument(
+        "--reserve-ranks",
+        metavar="N",
+        type=_positive(int, 0),
+        default=_DEFAULTS["reserve_ranks"],
+        help="idle spare ranks that replace removed ones (default 1)",
+    )
+    p.add_argument(
+        "--faults",
+        metavar="SCHEDULE",
+        type=_faults,
+        default=DEFAULT_FAULTS,
+        help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}); "
+        f"R is the initial rank; {kinds}",
+    )
+    p.add_argument(
+        "--seed",
+        metavar="N",
+        type=_positive(int, 0),
+        default=0,
+        help="data split, init and sampling seed (default 0)",
+    )
+    p.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        default="trainguard-demo",
+        help="where summary.json, timeline.png, logs and checkpoints go; must be new, empty "
+        "or made by an earlier demo run (default ./trainguard-demo)",
+    )
+    p.add_argument(
+        "--steps",
+        metavar="N",
+        type=_positive(int, 1),
+        default=_DEFAULTS["steps"],
+        help="global training steps (default 160)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=_positive(int, 1),
+        default=_DEFAULTS["checkpoint_every"],
+        help="steps between checkpoints (default 10)",
+    )
+    p.add_argument(
+        "--batch-size",
+        metavar="N",
+        type=_positive(int, 1),
+        default=32,
+        help="samples per active rank per step (default 32)",
+    )
+    p.add_argument(
+        "--soft-timeout",
+        metavar="S",
+        type=_positive(float, 0.5),
+        default=3.0,
+        help="seconds without progress before a hung rank is interrupted (default 3)",
+    )
+    p.add_argument(
+        "--hard-timeout",
+        metavar="S",
+        type=_positive(float, 1.0),
+        default=8.0,
+        help="seconds without progress before a hung rank is killed (default 8)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_positive(float, 10.0),
+        default=170.0,
+        help="global limit for the whole run, seconds (default 170)",
+    )
     p.set_defaults(func=_run, _parser=p)
     return ["demo"]
 
@@ -101,13 +162,20 @@ def _config(args: argparse.Namespace):
 
     if args.soft_timeout >= args.hard_timeout:
         raise ConfigError(
-            f"--soft-timeout ({args.soft_timeout}) must be below --hard-timeout ({args.hard_timeout})"
+            f"--soft-timeout ({args.soft_timeout}) must be below "
+            f"--hard-timeout ({args.hard_timeout})"
         )
     validate_faults(args.faults, ranks=args.ranks, reserve=args.reserve_ranks, steps=args.steps)
     return DemoConfig(
-        output_dir=str(Path(args.output_dir).resolve()), ranks=args.ranks, reserve=args.reserve_ranks,
-        steps=args.steps, checkpoint_every=args.checkpoint_every, batch_size=args.batch_size,
-        seed=args.seed, faults=tuple(args.faults), soft_timeout_s=args.soft_timeout,
+        output_dir=str(Path(args.output_dir).resolve()),
+        ranks=args.ranks,
+        reserve=args.reserve_ranks,
+        steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        faults=tuple(args.faults),
+        soft_timeout_s=args.soft_timeout,
         hard_timeout_s=args.hard_timeout,
     )
 
@@ -132,7 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     faults = ", ".join(f.label for f in config.faults) or "none"
     console.print(
         f"[bold]trainguard demo[/]: {config.ranks} active + {config.reserve} reserve ranks, "
-        f"{config.steps} steps, digits ({sizes['train']} train / {sizes['test']} test), faults: {faults}"
+        f"{config.steps} steps, digits ({sizes['train']} train / {sizes['test']} test), "
+        f"faults: {faults}"
     )
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -159,7 +228,9 @@ def _prepare(config) -> tuple[dict[str, int], Path]:
     try:
         return prepare_split(config.data_path, config.seed), config.save()
     except OSError as exc:  # e.g. the disk is full
-        raise OutputDirError(f"cannot use output dir '{config.root}': {os_reason(exc, config.root)}") from exc
+        raise OutputDirError(
+            f"cannot use output dir '{config.root}': {os_reason(exc, config.root)}"
+        ) from exc
 
 
 class _Terminated(BaseException):
@@ -177,18 +248,27 @@ def _finish(config, result, console, wall_s: float) -> int:
 
     events = read_events(config.root / "events")
     summary = build_summary(
-        events, list(config.faults), steps=config.steps, wall_s=wall_s,
-        exits=result.exits, timed_out=result.timed_out, checkpoint_every=config.checkpoint_every,
+        events,
+        list(config.faults),
+        steps=config.steps,
+        wall_s=wall_s,
+        exits=result.exits,
+        timed_out=result.timed_out,
+        checkpoint_every=config.checkpoint_every,
     )
     summary["helpers_killed_by_parent"] = result.leftover
     summary["ranks_exited_s"] = round(result.ranks_s, 3)
     summary["launch_time"] = result.t0
     png = config.root / "timeline.png"
     acc = "n/a" if summary["accuracy"] is None else f"{summary['accuracy']:.4f}"
-    title = f"trainguard demo: {config.ranks} active + {config.reserve} reserve ranks, accuracy {acc}"
+    title = (
+        f"trainguard demo: {config.ranks} active + {config.reserve} reserve ranks, accuracy {acc}"
+    )
     plot_timeline(events, png, result.t0, title=title)
     summary["timeline"] = str(png)
     (config.root / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(render_table(summary, width=console.width))
-    console.print(f"summary: {config.root / 'summary.json'}  timeline: {png}  logs: {config.root / 'logs'}")
+    console.print(
+        f"summary: {config.root / 'summary.json'}  timeline: {png}  logs: {config.root / 'logs'}"
+    )
     return 0 if summary["ok"] else 1

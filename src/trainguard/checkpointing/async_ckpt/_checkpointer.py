@@ -94,7 +94,8 @@ class AsyncCheckpointer(LoadMixin):
                  faults: dict[int, dict] | None = None) -> None:
         if format not in ("torch", "dcp"):
             raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        if (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+                or max_in_flight < 1):
             raise ConfigError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.write_timeout_s = as_seconds(write_timeout, "write_timeout")
         self.start_timeout_s = 120.0  # a writer that has not started after this is dead
@@ -108,7 +109,8 @@ class AsyncCheckpointer(LoadMixin):
                               "init_process_group first or pass use_dist=False")
         self.format, self.on_error, self.failed_saves = format, on_error, 0
         self.keep_idle_writer = bool(keep_idle_writer)
-        self.use_dist = dist.is_available() and dist.is_initialized() if use_dist is None else use_dist
+        self.use_dist = (dist.is_available() and dist.is_initialized() if use_dist is None
+                         else use_dist)
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
         self.manager = CheckpointManager(root, keep_last) if root is not None else None
@@ -271,7 +273,8 @@ class AsyncCheckpointer(LoadMixin):
         self.writer.kill()
 
     def _pump(self, target: SaveRequest, blocking: bool) -> None:
-        """Read writer replies until ``target`` is no longer writing (or one poll if not blocking)."""
+        """Read writer replies until ``target`` is no longer writing (or one poll if not
+        blocking)."""
         while target.state == "writing":
             wait_s = 0.0
             if blocking:
@@ -366,7 +369,8 @@ class AsyncCheckpointer(LoadMixin):
                                   self.world_size)
             except RuntimeError as exc:
                 if "timeout" in str(exc).lower():
-                    raise CheckpointTimeout(f"finalize of step {req.step} timed out: {exc}") from exc
+                    raise CheckpointTimeout(
+                        f"finalize of step {req.step} timed out: {exc}") from exc
                 raise
             req.durable_s = time.perf_counter() - req.t_submit
             self._last_step = req.step

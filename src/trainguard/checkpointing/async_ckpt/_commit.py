@@ -76,7 +76,7 @@ def commit_collective(manager: CheckpointManager, record: dict, extra: bytes | N
     if group is None:
         gathered = [(record, extra)]
     else:
-        gathered = [None] * world_size
+        gathered = [None] * world_size  # type: ignore[list-item]  # filled by all_gather_object
         dist.all_gather_object(gathered, (record, extra), group=group)
     records = [g[0] for g in gathered]  # type: ignore[index]
     steps = {r["step"] for r in records}

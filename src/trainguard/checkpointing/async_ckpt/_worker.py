@@ -91,7 +91,7 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int) -> tuple[dict, bytes]
             data = planner.resolve_data(item)
             offset = f.tell()
             if item.type == WriteItemType.BYTE_IO:
-                f.write(data.getbuffer())
+                f.write(data.getbuffer())  # type: ignore[union-attr]  # BYTE_IO: a BytesIO
             else:
                 torch.save(data, f)
             length = f.tell() - offset

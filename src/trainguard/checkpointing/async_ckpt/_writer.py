@@ -81,7 +81,9 @@ class WriterProcess:
         try:
             new = arena is not None and arena.name not in self.sent_arenas
             self.conn.send_bytes(json.dumps({**header, "arena_fd": new}).encode())
-            if new:
+            if new and arena is not None:
+                if arena.fd is None:
+                    raise WriterDied(f"staging arena {arena.name} is already closed")
                 socket.send_fds(self.sock, [b"F"], [arena.fd])
                 self.sent_arenas.add(arena.name)
             if payload is not None:
