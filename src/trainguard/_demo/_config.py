@@ -44,6 +44,8 @@ RUN_FILES = (
     "pids",
     "summary.json",
     "timeline.png",
+    "goodput",
+    "goodput.json",
 )
 
 

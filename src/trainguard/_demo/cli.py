@@ -145,6 +145,10 @@ def register(subparsers: argparse._SubParsersAction) -> list[str]:
         default=8.0,
         help="seconds without progress before a hung rank is killed (default 8)",
     )
+    p.add_argument("--duration", metavar="S", type=_positive(float, 20.0), default=None,
+                   help="instead of the digits run: train a DDP job for S seconds with a fault "
+                   "every 30 s from a seeded mix (exception, SIGKILL, hangs, full disk) and print "
+                   "its goodput, the figure bench/goodput.py reports (e.g. --duration 180)")
     p.add_argument(
         "--timeout",
         metavar="S",
@@ -181,6 +185,8 @@ def _config(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.duration is not None:
+        return _run_goodput(args)
     try:
         config = _config(args)
     except ConfigError as exc:
@@ -231,6 +237,54 @@ def _prepare(config) -> tuple[dict[str, int], Path]:
         raise OutputDirError(
             f"cannot use output dir '{config.root}': {os_reason(exc, config.root)}"
         ) from exc
+
+
+def _run_goodput(args: argparse.Namespace) -> int:
+    """``--duration``: the goodput run of ``bench/goodput.py``, trainguard mode only."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from trainguard._demo._config import OutputDirError, clear_run_files
+    from trainguard._demo._goodput import GoodputConfig, median_lost, run_modes
+
+    root = Path(args.output_dir).resolve()
+    try:
+        clear_run_files(root)
+    except OutputDirError as exc:
+        args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
+    cfg = GoodputConfig(duration_s=args.duration, ranks=args.ranks, seed=args.seed)
+    console = Console()
+    console.print(f"[bold]trainguard demo --duration {args.duration:.0f}[/]: {cfg.ranks} ranks "
+                  f"train for {args.duration:.0f} s, a fault every {cfg.fault_every_s:.0f} s")
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        plan, runs, tmpfs, _ = run_modes(cfg, str(root / "goodput"), ("ours",))
+    except (KeyboardInterrupt, _Terminated) as exc:
+        console.print("[bold red]interrupted; every rank was stopped")
+        return 143 if isinstance(exc, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run = runs["ours"]
+    table = Table(title="goodput under faults")
+    for name in ("fault", "seconds lost", "recovered"):
+        table.add_column(name)
+    for row in run.figures["faults"]:
+        lost = "-" if row["lost_s"] is None else f"{row['lost_s']:.2f}"
+        table.add_row(f"{row['kind']} at {row['t']:.0f} s, rank {row['rank']}", lost,
+                      "yes" if row["recovered"] else "NO")
+    console.print(table)
+    recovered = all(r["recovered"] for r in run.figures["faults"])
+    console.print(
+        f"goodput {run.figures['goodput']:.3f} ({run.figures['kept_steps']} steps of "
+        f"{run.figures['median_step_ms']:.0f} ms in {run.figures['window_s']:.1f} s; median "
+        f"{median_lost(run.figures)} s lost per fault)"
+        + ("" if tmpfs else "; full disk left out (needs root for a tmpfs)"))
+    (root / "goodput.json").write_text(json.dumps(
+        {"plan": plan, "figures": run.figures, "exit_codes": run.exit_codes}, indent=2))
+    ok = run.ok and recovered
+    console.print("[bold green]PASS" if ok else "[bold red]FAIL: a fault was not recovered "
+                  f"or a rank failed (exit codes {run.exit_codes}); logs in {root / 'goodput'}")
+    return 0 if ok else 1
 
 
 class _Terminated(BaseException):
