@@ -45,7 +45,7 @@ from trainguard.testing import Fault, FaultPlan
 NUMEL = 1024
 STEP_S = 0.01
 MIN_STEPS = 4  # steps of an iteration before its fault, at least
-MAX_STEPS = 300  # an iteration in which no save commits (cold writers) faults here anyway
+MAX_STEPS = 60  # an iteration in which no save commits (cold writers) faults here anyway
 
 
 class Rank:
@@ -71,8 +71,8 @@ class Rank:
 
     def _async(self, kind: str, use_dist: bool | None = None) -> AsyncCheckpointer:
         return AsyncCheckpointer(
-            self.root / kind, format=kind, keep_last=2, write_timeout=20.0,
-            collective_timeout=20.0, keep_idle_writer=True, use_dist=use_dist,
+            self.root / kind, format=kind, keep_last=2, write_timeout=60.0,
+            collective_timeout=30.0, keep_idle_writer=True, use_dist=use_dist,
         )
 
     def checkpointers(self) -> dict[str, Any]:
@@ -84,7 +84,7 @@ class Rank:
         else:
             asyncs = {kind: self._async(kind) for kind in ("torch", "dcp")}
         local = LocalCheckpointManager(self.root / "local", "run", keep_last=2,
-                                       write_timeout=20.0, collective_timeout=20.0)
+                                       write_timeout=60.0, collective_timeout=30.0)
         return {**asyncs, "local": local}
 
 

@@ -44,7 +44,7 @@ def _launch(root: Path, created: str, launch: str, plan: list[tuple[str, int]]) 
         "faults": [{"rank": r, "kind": k, "iteration": i} for i, (k, r) in enumerate(plan)],
         "ckpt_every": 3, "soft_timeout_s": SOFT_S, "hard_timeout_s": HARD_S,
     }
-    results = run_ranks("_matrix_rank:main", 4, timeout_s=150, pythonpath=[HERE],
+    results = run_ranks("_matrix_rank:main", 4, timeout_s=300, pythonpath=[HERE],
                         env={"TG_MATRIX": json.dumps(cfg), "TRAINGUARD_LOG_LEVEL": "WARNING"})
     for r in results:
         print(f"--- rank {r.rank}: exit {r.returncode}, {r.wall_s:.1f} s\n{r.stderr[-1500:]}")
@@ -61,6 +61,11 @@ def _events(root: Path, launch: str) -> list[dict]:
 def _check_launch(root: Path, launch: str, plan: list, results: list,
                   previous: dict[str, int] | None) -> dict[str, int]:
     """Assert every cell of one launch; returns the newest step each kind committed."""
+    for e in _events(root, launch):  # what each rank saw, for a failure's report
+        if e["ev"] in ("enter", "error"):
+            what = e.get("error") or {k: (v["step"], v["newest"], v["seen"])
+                                      for k, v in e["loads"].items()}
+            print(f"{e['t']:.1f} rank {e['initial_rank']} it {e['iteration']} {e['ev']}: {what}")
     killed = {r.rank for r in results if r.returncode == -9}
     exits = [r.returncode for r in results]
     assert len(killed) == 2, f"expected the two planned SIGKILLs, got exits {exits}"
@@ -96,7 +101,7 @@ def _check_launch(root: Path, launch: str, plan: list, results: list,
     return {kind: max(r["seen"].get(kind, 0) for r in finished) for kind in KINDS}
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("created", ["outside", "inside"])
 def test_every_fault_with_every_checkpointer_fresh_then_reused(tmp_path: Path, created: str):
     first = _launch(tmp_path, created, "fresh", PLAN_A if created == "outside" else PLAN_B)

@@ -192,10 +192,11 @@ def _commands(mode: str, cfg: GoodputConfig, reserve: int, rank_args: list[str]
         return [([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   f"--nproc-per-node={cfg.ranks}", f"--max-restarts={restarts}",
                   "--monitor-interval=0.5", "-m", _RANK_MODULE, *rank_args], {}, "agent")]
-    world, port = cfg.ranks + reserve, free_port()
-    return [([sys.executable, "-m", _RANK_MODULE, *rank_args],
-             {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(port)}, f"rank{r}") for r in range(world)]
+    world = cfg.ranks + reserve
+    env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "TRAINGUARD_STORE_PORT": str(free_port())}  # MASTER_PORT+1 may be taken
+    return [([sys.executable, "-m", _RANK_MODULE, *rank_args], {**env, "RANK": str(r)},
+             f"rank{r}") for r in range(world)]
 
 
 def _watch(procs: list[subprocess.Popen], limit_s: float) -> tuple[bool, set[int]]:

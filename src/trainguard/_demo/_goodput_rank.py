@@ -263,7 +263,15 @@ def run_ours(job: Job) -> None:
 def run_baseline(job: Job) -> None:
     a = job.args
     path = os.path.join(a.ckpt_dir, "ckpt.pt")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=a.pg_timeout))
+    # A fresh key prefix per torchrun attempt: a plain env:// re-init after a restart reads the
+    # previous attempt's gloo addresses (connectFullMesh: connection refused).
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"goodput{attempt}", base),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=a.pg_timeout))
     net, opt = job.model()
     step = 0
     if os.path.exists(path):
@@ -312,7 +320,8 @@ def warm_up() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     torch.set_num_threads(1)
-    warm_up()
+    if args.mode == "ours":  # the baseline is the plain script users have
+        warm_up()
     job = Job(args)
     job.events.emit("start", import_s=round(time.time() - _START_T, 3))
     if args.mode == "ours":

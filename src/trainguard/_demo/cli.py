@@ -318,9 +318,14 @@ def _finish(config, result, console, wall_s: float) -> int:
     title = (
         f"trainguard demo: {config.ranks} active + {config.reserve} reserve ranks, accuracy {acc}"
     )
-    plot_timeline(events, png, result.t0, title=title)
     summary["timeline"] = str(png)
-    (config.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        plot_timeline(events, png, result.t0, title=title)
+        (config.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    except OSError as exc:  # e.g. the output disk is full: report it, never a traceback
+        summary["problems"].append(f"cannot write the run's outputs to {config.root}: "
+                                   f"{exc.strerror or exc}")
+        summary["ok"] = False
     console.print(render_table(summary, width=console.width))
     console.print(
         f"summary: {config.root / 'summary.json'}  timeline: {png}  logs: {config.root / 'logs'}"
