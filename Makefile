@@ -22,6 +22,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 
 # NVRx's own tests/inprocess files, import-rewritten (nvidia_resiliency_ext -> trainguard), kept
 # OUTSIDE this repository; nothing is fetched. NVRX_TESTS=dir holds an ``inprocess/`` package.

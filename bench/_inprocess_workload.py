@@ -7,8 +7,9 @@ The same small DDP training loop (gloo, CPU) runs under three restart mechanisms
 * ``torchrun``: a plain script launched by ``torchrun --max-restarts`` (full job restart).
 
 Every restart iteration (or torchrun attempt) builds the process group, loads the checkpoint, wraps
-the model in DDP and trains. Iteration ``i`` injects ``plan[i]`` (an exception, a hang in a C call or a
-SIGKILL on one rank); once the plan is used up every rank trains ``--final-steps`` steps and returns.
+the model in DDP and trains. Iteration ``i`` injects ``plan[i]`` (an exception, a hang in a C call
+or a SIGKILL on one rank); once the plan is used up every rank trains ``--final-steps`` steps and
+returns.
 
 Each rank appends JSON lines to ``<out>/ev_<initial rank>.jsonl``; the parent derives all figures
 from them (``time.time()`` stamps, comparable across processes on one host):

@@ -62,7 +62,9 @@ def _rank_main(rank: int, port: int, root: str, size_mb: int, repeats: int, conn
                                  for it in range(1, repeats + 1)]
         res[f"{name}_async_block_s"] = []
         for it in range(repeats + 1, 2 * repeats + 1):  # async: what the training loop waits for
-            res[f"{name}_async_block_s"].append(_timed(lambda it=it, m=mgr: m.save(state, it, is_async=True)))
+            res[f"{name}_async_block_s"].append(
+                _timed(lambda it=it, m=mgr: m.save(state, it, is_async=True))
+            )
             while mgr.maybe_finalize() is None:  # one all-reduce per call, like once per step
                 time.sleep(0.001)
         mgr.close()
@@ -95,8 +97,10 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tg_local_bench_", dir=args.dir)
     ctx, port = spawn_context(), free_port()
     parent, child = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_rank_main, args=(r, port, root, args.size_mb, args.repeats, child))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, root, args.size_mb, args.repeats, child))
+        for r in range(WORLD)
+    ]
     try:
         for p in procs:
             p.start()
@@ -111,18 +115,23 @@ def main() -> None:
     r = {"size_mb_per_rank": args.size_mb, "world_size": WORLD, **r}
     r["repl_save_overhead"] = r["local_repl_save_s"] / r["local_save_s"]
     r["local_save_vs_torch_save"] = r["local_save_s"] / r["torch_save_s"]
-    table = Table(title=f"local checkpoints, {args.size_mb} MiB per rank x {WORLD} ranks (max over ranks, median)")
+    table = Table(
+        title=f"local checkpoints, {args.size_mb} MiB per rank x {WORLD} ranks "
+        "(max over ranks, median)"
+    )
     table.add_column("what")
     table.add_column("seconds")
-    for key, label in (("local_save_s", "LocalCheckpointManager.save (sync, durable)"),
-                       ("local_repl_save_s", "... with replication F=2"),
-                       ("local_async_block_s", "save(is_async=True): blocking part"),
-                       ("local_repl_async_block_s", "... with replication (runs in background)"),
-                       ("torch_save_s", "torch.save + fsync"),
-                       ("local_load_s", "LocalCheckpointManager.load (verified)"),
-                       ("local_repl_load_s", "... with replication"),
-                       ("recover_load_s", "load, rank 1 shard from peer replica"),
-                       ("torch_load_s", "torch.load")):
+    for key, label in (
+        ("local_save_s", "LocalCheckpointManager.save (sync, durable)"),
+        ("local_repl_save_s", "... with replication F=2"),
+        ("local_async_block_s", "save(is_async=True): blocking part"),
+        ("local_repl_async_block_s", "... with replication (runs in background)"),
+        ("torch_save_s", "torch.save + fsync"),
+        ("local_load_s", "LocalCheckpointManager.load (verified)"),
+        ("local_repl_load_s", "... with replication"),
+        ("recover_load_s", "load, rank 1 shard from peer replica"),
+        ("torch_load_s", "torch.load"),
+    ):
         table.add_row(label, f"{r[key]:.3f}")
     Console().print(table)
     print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}))

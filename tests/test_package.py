@@ -14,7 +14,11 @@ def test_error_tree():
 
 def test_cli_help_runs():
     out = subprocess.run(
-        [sys.executable, "-m", "trainguard", "--help"], check=False, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "trainguard", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert "trainguard" in out.stdout

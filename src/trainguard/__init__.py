@@ -1,4 +1,5 @@
-"""trainguard: keep PyTorch distributed training and multi-process inference running through failures.
+"""trainguard: keep PyTorch distributed training and multi-process inference running through
+failures.
 
 Capabilities live in subpackages (``inprocess``, ``fault_tolerance``, ``checkpointing``,
 ``straggler``, ``attribution``, ``runner``, ``integrations.lightning``); each is imported on

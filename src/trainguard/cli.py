@@ -11,7 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# sub-command name -> module holding ``register(subparsers)``; registering imports only argparse code.
+# sub-command name -> module holding ``register(subparsers)``; registering imports only
+# argparse code.
 _COMMANDS: dict[str, str] = {
     "demo": "trainguard._demo.cli",
     "launch": "trainguard.fault_tolerance._cli",

@@ -3,9 +3,9 @@
 ::
 
     TrainguardError
-     ├── TrainguardTimeout (+ builtin TimeoutError)   every timeout, so ``except TimeoutError`` works
+     ├── TrainguardTimeout (+ builtin TimeoutError)   every timeout (``except TimeoutError``)
      ├── ConfigError (+ builtin ValueError)           bad input / invalid configuration
-     └── <one base per capability>                    RestartError, CheckpointError, RunnerError, ...
+     └── <one base per capability>                    RestartError, CheckpointError, ...
 """
 
 from __future__ import annotations

@@ -16,8 +16,13 @@ KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "de
 
 @pytest.mark.timeout(120)
 def test_bench_attribution_smoke():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--log-mb", "3", "--repeat", "1",
-                          "--naive-mb", "0.2"], check=False, capture_output=True, text=True, timeout=110)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--log-mb", "3", "--repeat", "1", "--naive-mb", "0.2"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     for key in KEYS:

@@ -51,9 +51,12 @@ def _run(capsys, url, monkeypatch):
 
 
 def test_verified_citation_keeps_explanation(fake_llm, capsys, monkeypatch):
-    fake_llm["answer"] = {"explanation": "Rank 2 ran out of GPU memory; peers timed out.",
-                          "citations": [{"file": LOG, "line": 101,
-                                         "quote": "torch.cuda.OutOfMemoryError: CUDA out of memory"}]}
+    fake_llm["answer"] = {
+        "explanation": "Rank 2 ran out of GPU memory; peers timed out.",
+        "citations": [
+            {"file": LOG, "line": 101, "quote": "torch.cuda.OutOfMemoryError: CUDA out of memory"}
+        ],
+    }
     out = _run(capsys, fake_llm["url"], monkeypatch)
     assert out["llm"]["verified"] and out["llm"]["explanation"].startswith("Rank 2")
     assert out["decision"] == "STOP"  # the model never decides
@@ -62,11 +65,14 @@ def test_verified_citation_keeps_explanation(fake_llm, capsys, monkeypatch):
     assert "CUDA out of memory" in body["messages"][1]["content"]
 
 
-@pytest.mark.parametrize("citations", [
-    [{"file": LOG, "line": 101, "quote": "GPU 7 fell off the bus"}],  # fabricated quote
-    [{"file": "/etc/passwd", "line": 1, "quote": "root:x:0:0:root"}],  # not an analysed file
-    [],
-])
+@pytest.mark.parametrize(
+    "citations",
+    [
+        [{"file": LOG, "line": 101, "quote": "GPU 7 fell off the bus"}],  # fabricated quote
+        [{"file": "/etc/passwd", "line": 1, "quote": "root:x:0:0:root"}],  # not an analysed file
+        [],
+    ],
+)
 def test_unverified_citations_drop_explanation(fake_llm, capsys, monkeypatch, citations):
     fake_llm["answer"] = {"explanation": "It was the network.", "citations": citations}
     out = _run(capsys, fake_llm["url"], monkeypatch)

@@ -1,7 +1,8 @@
 """Smoke test of ``bench/inprocess_restart.py`` in its cheapest mode (runs in CI).
 
 Two ranks, one fault of each kind (exception, hang in ``time.sleep``, SIGKILL) under trainguard's
-Wrapper; the baselines (torchrun, NVRx) are skipped to stay well under a minute. It checks the figures are there and plausible, not fast:
+Wrapper; the baselines (torchrun, NVRx) are skipped to stay well under a minute. It checks the
+figures are there and plausible, not fast:
 speed is what the benchmark itself reports.
 """
 

@@ -30,7 +30,8 @@ def _entry(fn, rank: int, world_size: int, port: int, args: tuple, conn) -> None
 
 def run_ranks(fn, world_size: int, *args: Any, timeout_s: float = 90.0,
               expect_ok: bool = True) -> list[tuple[str, Any]]:
-    """Returns [(status, value)] per rank; status ok/error/died. Raises if expect_ok and any fail."""
+    """Returns [(status, value)] per rank; status ok/error/died. Raises if expect_ok and any
+    fail."""
     ctx = spawn_context()
     port = free_port()
     pipes, procs = [], []
@@ -60,5 +61,7 @@ def run_ranks(fn, world_size: int, *args: Any, timeout_s: float = 90.0,
     if expect_ok:
         bad = [(r, s, v) for r, (s, v) in enumerate(results) if s != "ok"]
         if bad:
-            raise AssertionError("rank failures:\n" + "\n".join(f"rank {r} {s}:\n{v}" for r, s, v in bad))
+            raise AssertionError(
+                "rank failures:\n" + "\n".join(f"rank {r} {s}:\n{v}" for r, s, v in bad)
+            )
     return results

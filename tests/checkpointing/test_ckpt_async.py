@@ -48,7 +48,8 @@ def test_round_trip_snapshot_and_torch_load(tmp_path):
         state = _state(1.0)
         state["user"] = Point(3)
         ck.save(state, 1)
-        # mutate immediately: CPU tensors in place, a rebind, the "step" scalar (reports #2, #3, #15)
+        # mutate immediately: CPU tensors in place, a rebind, the "step" scalar
+        # (reports #2, #3, #15)
         state["model"]["w"].add_(100.0)
         state["optim"]["state"][0]["step"].fill_(2.0)
         state["view"].zero_()
@@ -63,8 +64,9 @@ def test_round_trip_snapshot_and_torch_load(tmp_path):
         state["model"]["w"] = torch.full((256, 64), 7.0)
         ck.save(state, 2)
         ck.wait()
-        direct = torch.load(tmp_path / "ck" / CheckpointManager.step_dir(2) / rank_file(0),
-                            weights_only=False)  # a plain torch.save file
+        direct = torch.load(
+            tmp_path / "ck" / CheckpointManager.step_dir(2) / rank_file(0), weights_only=False
+        )  # a plain torch.save file
         assert direct["model"]["w"][0, 0].item() == 7.0
         # torch.save-style per-rank file
         ck.async_save({"a": torch.ones(2)}, str(tmp_path / "plain.pt"))
@@ -76,8 +78,12 @@ def test_round_trip_snapshot_and_torch_load(tmp_path):
 @pytest.mark.timeout(120)
 def test_writer_killed_at_each_phase_errors_then_recovers(tmp_path):
     """Report #1 (Megatron-LM#6970): a dead or stuck writer is an error, never a hang."""
-    phases = {2: {"phase": "recv", "action": "exit"}, 3: {"phase": "write", "action": "sigkill"},
-              4: {"phase": "reply", "action": "sigkill"}, 5: {"phase": "write", "action": "hang"}}
+    phases = {
+        2: {"phase": "recv", "action": "exit"},
+        3: {"phase": "write", "action": "sigkill"},
+        4: {"phase": "reply", "action": "sigkill"},
+        5: {"phase": "write", "action": "hang"},
+    }
     ck = AsyncCheckpointer(tmp_path, keep_last=5, write_timeout=4.0, faults=phases)
     try:
         ck.save(_state(1.0), 1)
@@ -109,9 +115,17 @@ def test_writer_killed_at_each_phase_errors_then_recovers(tmp_path):
 @pytest.mark.timeout(90)
 def test_enospc_edquot_eacces_on_write_fsync_rename(tmp_path):
     """Reports #11/#12: errors on every I/O call; previous checkpoint intact; re-save works."""
-    cases = [("write", errno.ENOSPC), ("fsync", errno.EDQUOT), ("replace", errno.ENOSPC),
-             ("write", errno.EDQUOT), ("fsync", errno.ENOSPC), ("replace", errno.EACCES)]
-    faults = {10 + i: {"phase": op, "action": "errno", "errno": e} for i, (op, e) in enumerate(cases)}
+    cases = [
+        ("write", errno.ENOSPC),
+        ("fsync", errno.EDQUOT),
+        ("replace", errno.ENOSPC),
+        ("write", errno.EDQUOT),
+        ("fsync", errno.ENOSPC),
+        ("replace", errno.EACCES),
+    ]
+    faults = {
+        10 + i: {"phase": op, "action": "errno", "errno": e} for i, (op, e) in enumerate(cases)
+    }
     ck = AsyncCheckpointer(tmp_path, keep_last=3, faults=faults)
     try:
         ck.save(_state(1.0), 1)
@@ -234,15 +248,21 @@ def test_bad_input_errors(tmp_path):
         ck.close()
     with pytest.raises(ConfigError, match="not initialized"):
         AsyncCheckpointer(tmp_path, use_dist=True)  # report #8: misconfiguration raises
-    with AsyncCheckpointer(tmp_path, format="dcp") as dck, pytest.raises(ConfigError, match="str keys"):
+    with (
+        AsyncCheckpointer(tmp_path, format="dcp") as dck,
+        pytest.raises(ConfigError, match="str keys"),
+    ):
         dck.save({1: torch.ones(1)}, 1)
 
 
 @pytest.mark.timeout(60)
 def test_on_error_log_policy_continues(tmp_path):
     """Report #16: non-fatal checkpoint failures with retry on the next save."""
-    ck = AsyncCheckpointer(tmp_path, on_error="log",
-                           faults={2: {"phase": "write", "action": "errno", "errno": errno.ENOSPC}})
+    ck = AsyncCheckpointer(
+        tmp_path,
+        on_error="log",
+        faults={2: {"phase": "write", "action": "errno", "errno": errno.ENOSPC}},
+    )
     try:
         ck.save(_state(1.0), 1)
         ck.save(_state(2.0), 2)

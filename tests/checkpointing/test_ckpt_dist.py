@@ -1,4 +1,5 @@
-"""Multi-rank (gloo) async checkpointing: agreement on errors, corrupt shards, DCP interop, crashes."""
+"""Multi-rank (gloo) async checkpointing: agreement on errors, corrupt shards, DCP interop,
+crashes."""
 
 from __future__ import annotations
 
@@ -30,9 +31,17 @@ def _flip_bit(path: str) -> None:
 
 
 def _errors_and_recovery(rank: int, world_size: int, root: str) -> dict:
-    faults = {3: {"phase": "fsync", "action": "errno", "errno": errno.EDQUOT},
-              4: {"phase": "write", "action": "sigkill"}} if rank == 1 else {}
-    ck = AsyncCheckpointer(root, keep_last=3, write_timeout=30, collective_timeout=30, faults=faults)
+    faults = (
+        {
+            3: {"phase": "fsync", "action": "errno", "errno": errno.EDQUOT},
+            4: {"phase": "write", "action": "sigkill"},
+        }
+        if rank == 1
+        else {}
+    )
+    ck = AsyncCheckpointer(
+        root, keep_last=3, write_timeout=30, collective_timeout=30, faults=faults
+    )
     out: dict = {}
     try:
         state = {"w": torch.full((1000,), float(rank)), "step": torch.tensor(1)}
@@ -95,27 +104,51 @@ def test_errors_reach_every_rank_and_corrupt_shard_fallback(tmp_path):
 def _dcp_both_ways(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    state = {"shared": torch.arange(6.0), f"own{rank}": torch.full((3, 2), float(rank)),
-             "nested": {"b": torch.ones(2)}, "meta": {"epoch": 3}}  # same fqn on all ranks = replicated (DCP dedup)
+    state = {
+        "shared": torch.arange(6.0),
+        f"own{rank}": torch.full((3, 2), float(rank)),
+        "nested": {"b": torch.ones(2)},
+        "meta": {"epoch": 3},
+    }  # same fqn on all ranks = replicated (DCP dedup)
     with AsyncCheckpointer(os.path.join(root, "ours"), format="dcp", collective_timeout=30) as ck:
         ck.save(state, 7)
         state[f"own{rank}"].fill_(-1)  # mutation after save must not be saved
         assert ck.wait() == [7]
-        target = {"shared": torch.zeros(6), f"own{rank}": torch.zeros(3, 2),
-                  "nested": {"b": torch.zeros(2)}, "meta": {"epoch": 0}}
+        target = {
+            "shared": torch.zeros(6),
+            f"own{rank}": torch.zeros(3, 2),
+            "nested": {"b": torch.zeros(2)},
+            "meta": {"epoch": 0},
+        }
         dcp.load(target, checkpoint_id=ck.manager.path_of(7))  # torch reads what we wrote
-        ours = (target[f"own{rank}"][0, 0].item(), target["nested"]["b"][0].item(),
-                target["meta"]["epoch"], torch.equal(target["shared"], torch.arange(6.0)))
+        ours = (
+            target[f"own{rank}"][0, 0].item(),
+            target["nested"]["b"][0].item(),
+            target["meta"]["epoch"],
+            torch.equal(target["shared"], torch.arange(6.0)),
+        )
         native = os.path.join(root, "native")
-        dcp.save({"x": torch.full((4,), 5.0 + rank) if False else torch.full((4,), 5.0),
-                  f"y{rank}": torch.full((2,), float(rank))}, checkpoint_id=native)
+        dcp.save(
+            {
+                "x": torch.full((4,), 5.0 + rank) if False else torch.full((4,), 5.0),
+                f"y{rank}": torch.full((2,), float(rank)),
+            },
+            checkpoint_id=native,
+        )
         got = {"x": torch.zeros(4), f"y{rank}": torch.zeros(2)}
         ck.load_dcp(got, checkpoint_id=native)  # we read what torch wrote
-        again = {"shared": torch.zeros(6), f"own{rank}": torch.zeros(3, 2),
-                 "nested": {"b": torch.zeros(2)}, "meta": {"epoch": 0}}
+        again = {
+            "shared": torch.zeros(6),
+            f"own{rank}": torch.zeros(3, 2),
+            "nested": {"b": torch.zeros(2)},
+            "meta": {"epoch": 0},
+        }
         step = ck.load_dcp(again)
-    return {"ours": ours, "native": (got["x"][0].item(), got[f"y{rank}"][0].item()),
-            "verified": (step, again[f"own{rank}"][0, 0].item())}
+    return {
+        "ours": ours,
+        "native": (got["x"][0].item(), got[f"y{rank}"][0].item()),
+        "verified": (step, again[f"own{rank}"][0, 0].item()),
+    }
 
 
 @pytest.mark.timeout(120)

@@ -119,9 +119,12 @@ def test_fsspec_storage_round_trip(tmp_path):
 
 
 def test_flatten_stage_rebuild_round_trip():
-    state = {"a": torch.randn(3, 4), "b": [torch.arange(5, dtype=torch.int16), (torch.ones(2, dtype=torch.bool), 7)],
-             "c": {"t": torch.randn(4, 4).t(), "s": torch.tensor(3.5), "e": torch.empty(0, 3)},
-             "obj": {"lr": 0.1, "name": "adam"}}
+    state = {
+        "a": torch.randn(3, 4),
+        "b": [torch.arange(5, dtype=torch.int16), (torch.ones(2, dtype=torch.bool), 7)],
+        "c": {"t": torch.randn(4, 4).t(), "s": torch.tensor(3.5), "e": torch.empty(0, 3)},
+        "obj": {"lr": 0.1, "name": "adam"},
+    }
     skeleton, tensors = _staging.flatten(state)
     slots, total = _staging.plan_slots(tensors)
     arena = _staging.Arena(total)
@@ -140,7 +143,9 @@ def test_flatten_stage_rebuild_round_trip():
 
 
 def test_unpicklable_value_names_its_key():
-    skeleton, _ = _staging.flatten({"model": {"w": torch.ones(1)}, "opt": {"lock": threading.Lock()}})
+    skeleton, _ = _staging.flatten(
+        {"model": {"w": torch.ones(1)}, "opt": {"lock": threading.Lock()}}
+    )
     with pytest.raises(StateDictError, match=r"opt\.lock"):
         _staging.pickle_skeleton(skeleton)
     assert isinstance(pickle.loads(pickle.dumps(_staging.TensorRef(3))), _staging.TensorRef)

@@ -74,8 +74,9 @@ def test_megatron_2422_stuck_write_times_out_with_diagnostics(tmp_path):
     (plus slack) naming the rank, the writer pid, the step and the timeout; the stuck writer is
     killed, the previous checkpoint stays loadable and the next save works.
     """
-    ck = AsyncCheckpointer(tmp_path, keep_last=3, write_timeout=1.5,
-                           faults={2: {"phase": "write", "action": "hang"}})
+    ck = AsyncCheckpointer(
+        tmp_path, keep_last=3, write_timeout=1.5, faults={2: {"phase": "write", "action": "hang"}}
+    )
     try:
         ck.save({"w": torch.ones(1 << 16)}, 1)
         assert ck.wait() == [1]
@@ -140,7 +141,9 @@ def test_tnt_559_failed_save_is_never_restored_from(tmp_path):
     The writer is SIGKILLed in the middle of step 2's write; a fresh checkpointer (the restarted
     job) resumes from step 1, and the partial step-2 directory is removed at start.
     """
-    ck = AsyncCheckpointer(tmp_path, keep_last=3, faults={2: {"phase": "write", "action": "sigkill"}})
+    ck = AsyncCheckpointer(
+        tmp_path, keep_last=3, faults={2: {"phase": "write", "action": "sigkill"}}
+    )
     try:
         ck.save({"w": torch.full((1 << 16,), 1.0)}, 1)
         assert ck.wait() == [1]

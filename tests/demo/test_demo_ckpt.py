@@ -99,4 +99,7 @@ def test_snapshot_skip_abort_and_reload_of_the_last_commit(tmp_path, one_rank_gr
           "sync ms:", of("checkpoint_sync")[0]["ms"],
           "commit ms:", [e["commit_ms"] for e in of("checkpoint")])
     steps = sorted(p.name for p in cfg.checkpoint_dir.iterdir() if p.name.startswith("step_"))
-    assert steps[-1] == "step_000000020" and (cfg.checkpoint_dir / steps[-1] / "manifest.json").exists()
+    assert (
+        steps[-1] == "step_000000020"
+        and (cfg.checkpoint_dir / steps[-1] / "manifest.json").exists()
+    )

@@ -97,7 +97,9 @@ def test_demo_recovers_from_exception_hang_and_sigkill(tmp_path: Path):
     assert "checkpoints (torch, async)" in proc.stdout
 
     # every event log shows the reserve rank taking over after the SIGKILL
-    events = [json.loads(line) for line in (out / "events" / "rank2.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line) for line in (out / "events" / "rank2.jsonl").read_text().splitlines()
+    ]
     assert any(e["ev"] == "enter" and e["active_rank"] == 1 for e in events)
     # the wrapper's monitor processes are gone too (not only the ranks)
     monitor_pids = [int(p.read_text().split()[0]) for p in (out / "pids").glob("monitor*.pid")]
@@ -115,8 +117,10 @@ def _check_resumed_from_the_last_commit(out: Path, summary: dict) -> None:
     for fault, row in zip(faults, summary["faults"]):
         it = fault["iteration"]
         committed = [e["step"] for e in events if e["ev"] == "checkpoint" and e["iteration"] <= it]
-        print(f"{fault['kind']} at step {fault['step']}: committed {committed}, resumed from "
-              f"{resume[it + 1]}")
+        print(
+            f"{fault['kind']} at step {fault['step']}: committed {committed}, resumed from "
+            f"{resume[it + 1]}"
+        )
         # >=: a commit can be durable on disk a moment before its event is written
         assert max(committed, default=0) <= resume[it + 1] < fault["step"]
         assert resume[it + 1] % 10 == 0  # a checkpoint step (--checkpoint-every 10)
@@ -148,19 +152,43 @@ def test_sigterm_to_the_demo_stops_and_reaps_every_rank(tmp_path: Path):
     out = tmp_path / "demo"
     env = {**os.environ}
     env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, "-m", "trainguard", "demo", "--ranks", "2", "--reserve-ranks", "1",
-           "--faults", "hang@rank1:step5", "--soft-timeout", "60", "--hard-timeout", "90",
-           "--output-dir", str(out)]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, start_new_session=True) as proc:
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainguard",
+        "demo",
+        "--ranks",
+        "2",
+        "--reserve-ranks",
+        "1",
+        "--faults",
+        "hang@rank1:step5",
+        "--soft-timeout",
+        "60",
+        "--hard-timeout",
+        "90",
+        "--output-dir",
+        str(out),
+    ]
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as proc:
         try:
             deadline = time.monotonic() + 90
             fired = out / "markers" / "fault0.json"
             while not fired.exists() and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)  # wait until rank 1 hangs (every rank is up by then)
             assert fired.exists(), "the hang never started"
-            starts = [json.loads(line) for f in (out / "events").glob("rank*.jsonl")
-                      for line in f.read_text().splitlines()]
+            starts = [
+                json.loads(line)
+                for f in (out / "events").glob("rank*.jsonl")
+                for line in f.read_text().splitlines()
+            ]
             pids = [e["pid"] for e in starts if e["ev"] == "start"]
             assert len(pids) == 3
             sent = time.monotonic()

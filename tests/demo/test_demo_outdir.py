@@ -73,7 +73,12 @@ def test_new_and_empty_dirs_are_marked_and_a_marked_dir_is_cleared(tmp_path):
     left = _contents(new)
     assert left.pop("notes.txt") == "keep me" and MARKER in left
     assert not any(name.split("/")[0] in RUN_FILES for name in left)
-    assert sorted(p.name for p in new.iterdir() if p.is_dir()) == ["events", "logs", "markers", "pids"]
+    assert sorted(p.name for p in new.iterdir() if p.is_dir()) == [
+        "events",
+        "logs",
+        "markers",
+        "pids",
+    ]
 
 
 def _unusable(tmp_path: Path, case: str) -> Path:
@@ -88,12 +93,15 @@ def _unusable(tmp_path: Path, case: str) -> Path:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case, reason", [
-    ("existing file", "is not a directory"),
-    ("under a file", "Not a directory"),
-    ("/proc", "No such file or directory"),
-    ("/sys", "not permitted" if os.geteuid() == 0 else "Permission denied"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("existing file", "is not a directory"),
+        ("under a file", "Not a directory"),
+        ("/proc", "No such file or directory"),
+        ("/sys", "not permitted" if os.geteuid() == 0 else "Permission denied"),
+    ],
+)
 def test_unusable_output_dirs_exit_2_with_the_reason(tmp_path, capsys, case, reason):
     path = _unusable(tmp_path, case)
     code, err = _demo(capsys, "--output-dir", str(path))
@@ -121,11 +129,18 @@ def test_a_read_only_filesystem_exits_2(tmp_path):
     """A read-only bind mount where the machine allows one (root in a private mount namespace)."""
     ro = tmp_path / "ro"
     ro.mkdir()
-    script = (f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && "
-              f"exec {sys.executable} -m trainguard demo --output-dir {ro}/out")
+    script = (
+        f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && "
+        f"exec {sys.executable} -m trainguard demo --output-dir {ro}/out"
+    )
     try:
-        proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
-                              check=False, capture_output=True, text=True, timeout=50)
+        proc = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
     except FileNotFoundError:
         pytest.skip("unshare is not installed")
     if "trainguard demo" not in proc.stderr:
@@ -135,12 +150,15 @@ def test_a_read_only_filesystem_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "abc"], "argument --steps: 'abc' is not an integer"),
-    (["--seed", "1.5"], "argument --seed: '1.5' is not an integer"),
-    (["--soft-timeout", "soon"], "argument --soft-timeout: 'soon' is not a number"),
-    (["--hard-timeout", "nan"], "'nan' must be >= 1.0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "abc"], "argument --steps: 'abc' is not an integer"),
+        (["--seed", "1.5"], "argument --seed: '1.5' is not an integer"),
+        (["--soft-timeout", "soon"], "argument --soft-timeout: 'soon' is not a number"),
+        (["--hard-timeout", "nan"], "'nan' must be >= 1.0"),
+    ],
+)
 def test_argument_errors_read_well(tmp_path, capsys, args, message):
     code, err = _demo(capsys, *args, "--output-dir", str(tmp_path / "out"))
     assert code == 2 and message in err

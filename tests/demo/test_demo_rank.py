@@ -80,7 +80,9 @@ def test_batches_depend_only_on_the_step(config):
     prepare_split(config.data_path, seed=0)
     arrays = load_split(config.data_path)
     assert arrays["x_train"].shape[1] == 64 and len(arrays["y_test"]) == 360
-    data = torch.utils.data.TensorDataset(torch.from_numpy(arrays["x_train"]), torch.from_numpy(arrays["y_train"]))
+    data = torch.utils.data.TensorDataset(
+        torch.from_numpy(arrays["x_train"]), torch.from_numpy(arrays["y_train"])
+    )
     first = _Batches(data, rank=1, world_size=2, batch=32, seed=0)
     resumed = _Batches(data, rank=1, world_size=2, batch=32, seed=0)  # as after a restart
     other_rank = _Batches(data, rank=0, world_size=2, batch=32, seed=0)
@@ -89,4 +91,6 @@ def test_batches_depend_only_on_the_step(config):
         assert x.shape == (32, 64)
         assert torch.equal(y, resumed.get(step)[1])
         assert not torch.equal(x, other_rank.get(step)[0])  # DistributedSampler splits the data
-    assert not torch.equal(first.get(1)[1], first.get(first.per_epoch + 1)[1])  # reshuffled per epoch
+    assert not torch.equal(
+        first.get(1)[1], first.get(first.per_epoch + 1)[1]
+    )  # reshuffled per epoch

@@ -131,7 +131,8 @@ def launch(world: int, cfg: dict, faults=(), timeout_s: float = 60.0):
         env={"TG_TEST_CFG": json.dumps(cfg)},
     )
     print(
-        f"\n[{world} ranks, {time.monotonic() - t0:.2f} s] faults={[f.kind.value for f in plan.faults]}"
+        f"\n[{world} ranks, {time.monotonic() - t0:.2f} s] "
+        f"faults={[f.kind.value for f in plan.faults]}"
     )
     for r in res:
         recs = (r.result or {}).get("records", [])
@@ -173,8 +174,14 @@ def max_restart_s(res, faulty: set[int]) -> float:
 # rank 0 dying must not end the job). Non-terminal kinds fault on both ranks of a 2-rank job;
 # SIGKILL and SystemExit take out a non-zero rank and then rank 0 of a 3-rank job; the other
 # terminal kinds hit one rank of a 2-rank job (alternating between rank 0 and rank 1).
-_TERMINAL = {FaultKind.EXIT, FaultKind.SIGKILL, FaultKind.SIGTERM, FaultKind.SIGSEGV,
-             FaultKind.SIGSTOP, FaultKind.HANG_GIL}
+_TERMINAL = {
+    FaultKind.EXIT,
+    FaultKind.SIGKILL,
+    FaultKind.SIGTERM,
+    FaultKind.SIGSEGV,
+    FaultKind.SIGSTOP,
+    FaultKind.HANG_GIL,
+}
 _CASES = [
     (FaultKind.RAISE, 2, ["nonzero", 0]),
     (FaultKind.HANG_SLEEP, 2, ["nonzero", 0]),
@@ -250,8 +257,12 @@ def test_repeated_faults_with_retry_limit():
 
 @pytest.mark.timeout(90)
 def test_unresponsive_rank_detected_by_sibling_heartbeat(tmp_path):
-    cfg = {"node_loss": [1, 0, 1], "monitor_pid": str(tmp_path / "mon{rank}.pid"),
-           "heartbeat_timeout": 1.0, "steps": 3}
+    cfg = {
+        "node_loss": [1, 0, 1],
+        "monitor_pid": str(tmp_path / "mon{rank}.pid"),
+        "heartbeat_timeout": 1.0,
+        "steps": 3,
+    }
     res = launch(2, cfg)
     assert res[1].returncode == -signal.SIGKILL
     assert_recovered(res, {1}, world_after=1)
@@ -264,13 +275,15 @@ def test_unresponsive_rank_detected_by_sibling_heartbeat(tmp_path):
 @pytest.mark.parametrize("kind", [FaultKind.RAISE, FaultKind.SIGKILL])
 def test_four_rank_restart_latency(kind):
     bad = random.randint(1, 3)
-    res = launch(4, {"pg": True, "gloo_timeout": 300}, [Fault(bad, kind, iteration=0, step=2)],
-                 timeout_s=100)
+    res = launch(
+        4, {"pg": True, "gloo_timeout": 300}, [Fault(bad, kind, iteration=0, step=2)], timeout_s=100
+    )
     faulty = {bad} if kind is FaultKind.SIGKILL else set()
     assert_recovered(res, faulty, world_after=4 - len(faulty))
     lat = max_restart_s(res, faulty)
-    print(f"  4 ranks, {kind.value} on rank {bad} -> survivors re-entered: {lat:.3f} s "
-          "(target 1.0 s)")
+    print(
+        f"  4 ranks, {kind.value} on rank {bad} -> survivors re-entered: {lat:.3f} s (target 1.0 s)"
+    )
     assert lat < 5.0
 
 
@@ -278,8 +291,14 @@ def test_four_rank_restart_latency(kind):
 def test_store_outlives_rank0_leaving_early():
     # rank 0 (its monitor hosts the store) leaves at once; rank 1 trains on for longer than
     # barrier_timeout, so the store must stay up as long as rank 1 is alive, not a fixed time
-    cfg = {"soft": 1.0, "hard": 2.0, "barrier": 3.0, "heartbeat_timeout": 2.5, "steps": 40,
-           "step_s": 0.1}
+    cfg = {
+        "soft": 1.0,
+        "hard": 2.0,
+        "barrier": 3.0,
+        "heartbeat_timeout": 2.5,
+        "steps": 40,
+        "step_s": 0.1,
+    }
     res = launch(2, cfg, [Fault(0, FaultKind.EXIT, iteration=0, step=1)])
     assert res[0].returncode != 0
     assert_recovered(res, {0}, world_after=1)

@@ -32,10 +32,16 @@ def plain_group_rank_main():
         if os.environ.get("TG_TEST_TRACKED") == "1":
             cw.init_process_group(timeout=300)
         else:
-            store = dist.PrefixStore(f"user_pg_{cw.iteration}", cw.store)  # fresh prefix per attempt
-            dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]),
-                                    timeout=timedelta(seconds=300))
+            store = dist.PrefixStore(
+                f"user_pg_{cw.iteration}", cw.store
+            )  # fresh prefix per attempt
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timedelta(seconds=300),
+            )
         for step in range(4):
             if rank == 1 and cw.iteration == 0 and step == 2:
                 time.sleep(0.3)  # rank 0 is inside the all_reduce by now
@@ -45,16 +51,22 @@ def plain_group_rank_main():
         return cw.iteration
 
     ret = train()
-    recs = [(r.cause, list(r.fault_ranks), round(r.restart_s, 3))
-            for r in holder["cw"].restart_records]
+    recs = [
+        (r.cause, list(r.fault_ranks), round(r.restart_s, 3)) for r in holder["cw"].restart_records
+    ]
     return {"ret": ret, "records": recs}
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("tracked", [False, True])
 def test_untracked_gloo_group_is_released_by_the_default_abort(tracked):
-    res = run_ranks("test_untracked_group:plain_group_rank_main", 2, timeout_s=60,
-                    pythonpath=[HERE], env={"TG_TEST_TRACKED": "1" if tracked else "0"})
+    res = run_ranks(
+        "test_untracked_group:plain_group_rank_main",
+        2,
+        timeout_s=60,
+        pythonpath=[HERE],
+        env={"TG_TEST_TRACKED": "1" if tracked else "0"},
+    )
     for r in res:
         print(f"rank {r.rank}: rc={r.returncode} result={r.result}")
         assert r.returncode == 0, r.stderr[-3000:]

@@ -56,9 +56,15 @@ from trainguard.testing.faults import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAST = {
-    "soft_timeout": 3.0, "hard_timeout": 6.0, "barrier_timeout": 10.0, "heartbeat_timeout": 5.0,
-    "heartbeat_interval": 0.2, "monitor_process_interval": 0.05, "monitor_thread_interval": 0.1,
-    "progress_watchdog_interval": 0.05, "termination_grace_time": 0.5,
+    "soft_timeout": 3.0,
+    "hard_timeout": 6.0,
+    "barrier_timeout": 10.0,
+    "heartbeat_timeout": 5.0,
+    "heartbeat_interval": 0.2,
+    "monitor_process_interval": 0.05,
+    "monitor_thread_interval": 0.1,
+    "progress_watchdog_interval": 0.05,
+    "termination_grace_time": 0.5,
 }
 
 
@@ -154,6 +160,7 @@ def test_nvrx_pr154_restart_kills_checkpoint_writer_next_save_respawns(single_ra
     ck = AsyncCheckpointer(tmp_path / "ck", write_timeout=30.0)
     pids: list[int] = []
     try:
+
         @Wrapper(**FAST)
         def train(cw: CallWrapper):
             state = {"w": torch.full((1 << 18,), float(cw.iteration))}
@@ -187,6 +194,7 @@ def test_megatron_bridge_4889_reset_hooks_run_before_the_next_attempt(single_ran
     restart. A reset callback registered by such a singleton runs once per restart, before the
     next attempt starts, and its background thread is gone by then.
     """
+
     class Detector:  # a process-global singleton with a background thread
         instance: Detector | None = None
 
@@ -213,6 +221,7 @@ def test_megatron_bridge_4889_reset_hooks_run_before_the_next_attempt(single_ran
     register_reset_callback("test.bridge4889.detector", Detector.reset)
     threads: list[threading.Thread] = []
     try:
+
         @Wrapper(**FAST)
         def train(cw: CallWrapper):
             events.append(("enter", cw.iteration, Detector.instance is None))
@@ -225,8 +234,13 @@ def test_megatron_bridge_4889_reset_hooks_run_before_the_next_attempt(single_ran
     finally:
         unregister_reset_callback("test.bridge4889.detector")
         Detector.reset()
-    assert events[:5] == [("enter", 0, True), "reset", ("enter", 1, True), "reset",
-                          ("enter", 2, True)], events
+    assert events[:5] == [
+        ("enter", 0, True),
+        "reset",
+        ("enter", 1, True),
+        "reset",
+        ("enter", 2, True),
+    ], events
     assert not threads[0].is_alive() and not threads[1].is_alive()
     assert len({id(t) for t in threads}) == 3  # a fresh singleton per attempt
 
@@ -258,8 +272,12 @@ def test_megatron_bridge_5187_call_wrapper_reaches_fn_through_adapters(single_ra
 
     assert Wrapper(**FAST)(decorator(inner))({"name": "wraps"}) == 1
     assert Wrapper(**FAST)(kw_adapter)({"name": "kwargs"}) == 1
-    assert seen == [("wraps", "CallWrapper", 0), ("wraps", "CallWrapper", 1),
-                    ("kwargs", "CallWrapper", 0), ("kwargs", "CallWrapper", 1)]
+    assert seen == [
+        ("wraps", "CallWrapper", 0),
+        ("wraps", "CallWrapper", 1),
+        ("kwargs", "CallWrapper", 0),
+        ("kwargs", "CallWrapper", 1),
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -312,8 +330,11 @@ def test_nvrx_defect5_trainer_killed_before_first_iteration_daemon_exits_cleanly
     notice, exit on its own within a few seconds, and log no internal failure.
     """
     pidfile, logfile = str(tmp_path / "mon.pid"), str(tmp_path / "mon.log")
-    child = subprocess.Popen([sys.executable, "-c", _defect5_child(free_port(), pidfile, logfile)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _defect5_child(free_port(), pidfile, logfile)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     mon_pid = None
     try:
         end = time.monotonic() + 30
@@ -360,12 +381,22 @@ def barrier_timeout_rank_main():
             fh.write(str(state.iteration))
         return state
 
-    @Wrapper(soft_timeout=1.0, hard_timeout=2.0, barrier_timeout=3.0, heartbeat_timeout=2.5,
-             heartbeat_interval=0.2, monitor_process_interval=0.05, monitor_thread_interval=0.1,
-             progress_watchdog_interval=0.05, last_call_wait=0.05, termination_grace_time=0.5,
-             finalize=finalize, terminate=terminate,
-             monitor_process_pidfile=os.path.join(cfg["dir"], "mon{rank}.pid"),
-             monitor_process_logfile=os.path.join(cfg["dir"], "mon{rank}.log"))
+    @Wrapper(
+        soft_timeout=1.0,
+        hard_timeout=2.0,
+        barrier_timeout=3.0,
+        heartbeat_timeout=2.5,
+        heartbeat_interval=0.2,
+        monitor_process_interval=0.05,
+        monitor_thread_interval=0.1,
+        progress_watchdog_interval=0.05,
+        last_call_wait=0.05,
+        termination_grace_time=0.5,
+        finalize=finalize,
+        terminate=terminate,
+        monitor_process_pidfile=os.path.join(cfg["dir"], "mon{rank}.pid"),
+        monitor_process_logfile=os.path.join(cfg["dir"], "mon{rank}.log"),
+    )
     def train(cw: CallWrapper):
         if rank == 0 and cw.iteration == 0:
             raise RuntimeError("fault on rank 0")
@@ -387,8 +418,13 @@ def test_nvrx_defect3_and_pr99_barrier_timeout_runs_terminate_daemon_outlives(tm
     """
     cfg = {"dir": str(tmp_path), "slow_finalize_s": 5.0}
     t0 = time.time()
-    res = run_ranks("test_user_reports:barrier_timeout_rank_main", 2, timeout_s=60,
-                    pythonpath=[HERE], env={"TG_TEST_CFG": json.dumps(cfg)})
+    res = run_ranks(
+        "test_user_reports:barrier_timeout_rank_main",
+        2,
+        timeout_s=60,
+        pythonpath=[HERE],
+        env={"TG_TEST_CFG": json.dumps(cfg)},
+    )
     for r in res:
         print(f"rank {r.rank}: rc={r.returncode} result={r.result} wall={r.wall_s:.2f}s")
     mon = {r: int((tmp_path / f"mon{r}.pid").read_text()) for r in (0, 1)}
@@ -415,9 +451,17 @@ def late_rank_main():
         time.sleep(cfg["late_s"])
     holder: dict = {}
 
-    @Wrapper(soft_timeout=2.0, hard_timeout=4.0, barrier_timeout=15.0, heartbeat_timeout=1.0,
-             heartbeat_interval=0.1, monitor_process_interval=0.05, monitor_thread_interval=0.1,
-             progress_watchdog_interval=0.05, last_call_wait=0.05)
+    @Wrapper(
+        soft_timeout=2.0,
+        hard_timeout=4.0,
+        barrier_timeout=15.0,
+        heartbeat_timeout=1.0,
+        heartbeat_interval=0.1,
+        monitor_process_interval=0.05,
+        monitor_thread_interval=0.1,
+        progress_watchdog_interval=0.05,
+        last_call_wait=0.05,
+    )
     def train(cw: CallWrapper):
         holder["cw"] = cw
         time.sleep(0.3)
@@ -435,8 +479,13 @@ def test_nvrx_142_rank_starting_late_within_barrier_timeout_is_not_discarded():
     ``heartbeat_timeout`` but within ``barrier_timeout`` is a normal member: no restart, no rank
     declared unresponsive, full world size.
     """
-    res = run_ranks("test_user_reports:late_rank_main", 2, timeout_s=60, pythonpath=[HERE],
-                    env={"TG_TEST_CFG": json.dumps({"late_s": 2.0})})
+    res = run_ranks(
+        "test_user_reports:late_rank_main",
+        2,
+        timeout_s=60,
+        pythonpath=[HERE],
+        env={"TG_TEST_CFG": json.dumps({"late_s": 2.0})},
+    )
     for r in res:
         print(f"rank {r.rank}: rc={r.returncode} result={r.result}")
         assert r.returncode == 0, r.stderr[-3000:]
@@ -451,9 +500,18 @@ def peer_exit_rank_main():
     rank = int(os.environ["RANK"])
     holder: dict = {}
 
-    @Wrapper(soft_timeout=5.0, hard_timeout=8.0, barrier_timeout=20.0, heartbeat_timeout=10.0,
-             heartbeat_interval=0.2, monitor_process_interval=0.05, monitor_thread_interval=0.1,
-             progress_watchdog_interval=0.05, last_call_wait=0.05, termination_grace_time=0.5)
+    @Wrapper(
+        soft_timeout=5.0,
+        hard_timeout=8.0,
+        barrier_timeout=20.0,
+        heartbeat_timeout=10.0,
+        heartbeat_interval=0.2,
+        monitor_process_interval=0.05,
+        monitor_thread_interval=0.1,
+        progress_watchdog_interval=0.05,
+        last_call_wait=0.05,
+        termination_grace_time=0.5,
+    )
     def train(cw: CallWrapper):
         holder["cw"] = cw
         cw.init_process_group(timeout=300)  # gloo's own timeout is far away
@@ -467,8 +525,9 @@ def peer_exit_rank_main():
 
     t0 = time.monotonic()
     ret = train()
-    recs = [(r.cause, list(r.fault_ranks), round(r.restart_s, 3))
-            for r in holder["cw"].restart_records]
+    recs = [
+        (r.cause, list(r.fault_ranks), round(r.restart_s, 3)) for r in holder["cw"].restart_records
+    ]
     return {"ret": ret, "records": recs, "wall": time.monotonic() - t0}
 
 

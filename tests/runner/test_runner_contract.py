@@ -47,7 +47,9 @@ def test_plain_values_and_arrays_round_trip(runner):
     np.testing.assert_array_equal(out, big * 2)
     assert out.flags.writeable and out.flags.c_contiguous
     strided = big[::3]  # non-contiguous: travels inline, still correct
-    assert runner.generate(("sum", strided))[0] == pytest.approx(float(strided.sum(dtype=np.float64)))
+    assert runner.generate(("sum", strided))[0] == pytest.approx(
+        float(strided.sum(dtype=np.float64))
+    )
 
 
 def test_received_arrays_are_never_overwritten_by_later_calls(runner):
@@ -148,8 +150,9 @@ def test_unpicklable_load_kwargs_name_the_key():
         DistributedRunner(EchoWorker, load_kwargs=[("a", 1)])
 
 
-@pytest.mark.parametrize("kwargs", [{"call_timeout": 0}, {"start_timeout": -1},
-                                    {"transfer": "mmap"}, {"shm_bytes": -5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"call_timeout": 0}, {"start_timeout": -1}, {"transfer": "mmap"}, {"shm_bytes": -5}]
+)
 def test_bad_options_are_value_errors(kwargs):
     with pytest.raises(ValueError):
         DistributedRunner(EchoWorker, **kwargs)
@@ -201,8 +204,9 @@ def test_different_exception_types_are_rank_desync():
 
 
 def test_load_failure_reaches_caller_unchanged_and_leaves_no_process():
-    r = DistributedRunner(EchoWorker, world_size=2, init_process_group=False,
-                          load_kwargs={"fail_load_rank": 1})
+    r = DistributedRunner(
+        EchoWorker, world_size=2, init_process_group=False, load_kwargs={"fail_load_rank": 1}
+    )
     before = _child_pids()
     with pytest.raises(KeyError, match="load failed on rank 1"):
         r.start()

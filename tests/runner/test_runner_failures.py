@@ -157,13 +157,17 @@ def test_small_dev_shm_tmpfs_raises_instead_of_sigbus():
     if shutil.which("unshare") is None:
         pytest.skip("unshare(1) not available")
     probe = subprocess.run(["unshare", "-m", "sh", "-c",
-                            "mount -t tmpfs -o size=16m tmpfs /dev/shm"], capture_output=True, check=False)
+                            "mount -t tmpfs -o size=16m tmpfs /dev/shm"],
+                           capture_output=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private tmpfs here: {probe.stderr.decode().strip()}")
-    cmd = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && "
-           f"exec {sys.executable} {os.path.join(HERE, 'runner_script.py')} small_shm")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
-                         timeout=100, check=False)
+    cmd = (
+        f"mount -t tmpfs -o size=16m tmpfs /dev/shm && "
+        f"exec {sys.executable} {os.path.join(HERE, 'runner_script.py')} small_shm"
+    )
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=100, check=False
+    )
     print(out.stdout, out.stderr[-2000:])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Bus error" not in out.stderr
@@ -174,8 +178,12 @@ def test_small_dev_shm_tmpfs_raises_instead_of_sigbus():
 
 @pytest.mark.timeout(60)
 def test_stale_segments_of_dead_owners_are_swept_at_start():
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=False).stdout.strip()
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     stale = f"tg_r{int(dead_pid):x}_beef_i0"
     path = os.path.join(SHM_DIR, stale)
     with open(path, "wb") as f:
@@ -207,13 +215,19 @@ def test_result_larger_than_free_shared_memory_is_refused_and_runner_stays_usabl
 
 @pytest.mark.timeout(60)
 def test_rank_dying_during_load_is_worker_crashed_and_slow_load_is_worker_timeout():
-    r = DistributedRunner(EchoWorker, world_size=2, init_process_group=False,
-                          load_kwargs={"exit_load_rank": 1})
+    r = DistributedRunner(
+        EchoWorker, world_size=2, init_process_group=False, load_kwargs={"exit_load_rank": 1}
+    )
     with pytest.raises(WorkerCrashed, match="exit code 5") as info:
         r.start()
     assert info.value.rank == 1 and not r.healthy
-    r = DistributedRunner(EchoWorker, world_size=2, init_process_group=False,
-                          load_kwargs={"sleep": 60}, start_timeout=1.5)
+    r = DistributedRunner(
+        EchoWorker,
+        world_size=2,
+        init_process_group=False,
+        load_kwargs={"sleep": 60},
+        start_timeout=1.5,
+    )
     t0 = time.monotonic()
     with pytest.raises(WorkerTimeout, match="start_timeout") as info:
         r.start()

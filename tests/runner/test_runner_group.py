@@ -1,4 +1,5 @@
-"""Process-group paths with real torch.distributed (gloo): the few tests that import torch in ranks."""
+"""Process-group paths with real torch.distributed (gloo): the few tests that import torch in
+ranks."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def test_two_group_runners_at_once_then_a_rank_failing_before_a_collective():
         with pytest.raises((RankDesync, WorkerTimeout)) as err:
             b.generate(("raise_before_collective", None))
         took = time.monotonic() - t0
-        print(f"rank failing before an all-reduce -> {type(err.value).__name__} after "
-              f"{took:.2f} s: {err.value}")
+        print(
+            f"rank failing before an all-reduce -> {type(err.value).__name__} after "
+            f"{took:.2f} s: {err.value}"
+        )
         assert isinstance(err.value, RankDesync) and err.value.rank == 1
         assert took < 4.0 + 5.0
         assert not b.healthy and a.healthy

@@ -142,7 +142,7 @@ class ShmSegment:
         A mapping still exported to user arrays (zero-copy views) cannot be unmapped yet; it is
         left to the garbage collector, the unlink still happens.
         """
-        buf, self.buf = getattr(self, "buf", None), None
+        buf, self.buf = getattr(self, "buf", None), None  # type: ignore[assignment]
         if buf is not None:
             buf.release()
             try:

@@ -107,7 +107,7 @@ def counting_barrier(
     if total > count:
         raise StoreBarrierOverflow(f"barrier {key!r}: {total} arrivals > count {count}")
     if total == count:
-        store.set(f"{key}/done", b"1")
+        store.set(f"{key}/done", "1")
     if timeout_s == 0:
         return
     if not wait_key(store, f"{key}/done", timeout_s, interval_s, on_tick):
@@ -144,10 +144,10 @@ def reentrant_barrier(
     """
     payload = "".join(f"{r}," for r in ranks)
     if payload:
-        store.append(f"{key}/ranks", payload)
+        store.append(f"{key}/ranks", payload)  # type: ignore[attr-defined]  # not in the stub
     arrived = reentrant_arrivals(store, key)
     if len(arrived) >= count:
-        store.set(f"{key}/done", b"1")
+        store.set(f"{key}/done", "1")
         return arrived
     if timeout_s == 0:
         return arrived
@@ -157,7 +157,7 @@ def reentrant_barrier(
             return reentrant_arrivals(store, key)
         arrived = reentrant_arrivals(store, key)
         if len(arrived) >= count:  # a third party completed it without setting done
-            store.set(f"{key}/done", b"1")
+            store.set(f"{key}/done", "1")
             return arrived
         if on_tick is not None:
             on_tick()

@@ -14,6 +14,7 @@ while the previous one is not committed yet, so a slow writer never blocks train
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import statistics
@@ -54,7 +55,9 @@ def apply_state(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer)
     return int(state["step"])
 
 
-def save_checkpoint(path: os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_checkpoint(
+    path: os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """The demo's former synchronous save: temp file in the same directory, fsync, rename.
 
     A reader sees the previous file or the new one, never a torn one, but training waits for
@@ -62,11 +65,16 @@ def save_checkpoint(path: os.PathLike, step: int, model: nn.Module, optimizer: t
     """
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        torch.save(checkpoint_state(step, model, optimizer), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(checkpoint_state(step, model, optimizer), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. ENOSPC: leave no torn temp file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_checkpoint(path: os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -76,17 +84,25 @@ def load_checkpoint(path: os.PathLike, model: nn.Module, optimizer: torch.optim.
     return apply_state(torch.load(path, map_location="cpu", weights_only=True), model, optimizer)
 
 
-def sync_save_ms(path: os.PathLike, step: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, samples: int = SYNC_SAMPLES) -> tuple[float, float]:
+def sync_save_ms(
+    path: os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: int = SYNC_SAMPLES,
+) -> tuple[float, float]:
     """Median and minimum milliseconds of the old synchronous save (``torch.save`` + fsync +
     rename) of the same state to ``path`` (removed afterwards): what each checkpoint used to
     block training."""
     times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        save_checkpoint(path, step, model, optimizer)
-        times.append((time.perf_counter() - t0) * 1e3)
-    os.unlink(path)
+    try:
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            save_checkpoint(path, step, model, optimizer)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     return statistics.median(times), min(times)
 
 
@@ -118,9 +134,14 @@ class DemoCheckpoints:
 
     def _make(self, use_dist: bool) -> AsyncCheckpointer:
         return AsyncCheckpointer(
-            self.config.checkpoint_dir, format=CHECKPOINT_FORMAT, keep_last=2,
-            write_timeout=self.timeout_s, collective_timeout=self.timeout_s, on_error="log",
-            keep_idle_writer=True, use_dist=use_dist,
+            self.config.checkpoint_dir,
+            format=CHECKPOINT_FORMAT,
+            keep_last=2,
+            write_timeout=self.timeout_s,
+            collective_timeout=self.timeout_s,
+            on_error="log",
+            keep_idle_writer=True,
+            use_dist=use_dist,
         )
 
     def warm_up(self, rank: int) -> float:
@@ -134,7 +155,8 @@ class DemoCheckpoints:
         path = self.config.checkpoint_dir / f"warmup_rank{rank}.pt"
         self.ckpt.async_save({"rank": rank, "probe": torch.zeros(4)}, str(path))
         self.ckpt.wait()
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):  # not written: the report lists the failure
+            os.unlink(path)
         seconds = time.perf_counter() - t0
         self.log.emit("checkpoint_writer_ready", seconds=round(seconds, 3))
         return seconds
@@ -158,8 +180,9 @@ class DemoCheckpoints:
             else:
                 self.ckpt.rebind()  # this iteration's group, rank and world size
             step = self._load(model, optimizer)
-        self.committer = threading.Thread(target=self._commit_loop, args=(self.ckpt,),
-                                          name="demo-checkpoint-commit", daemon=True)
+        self.committer = threading.Thread(
+            target=self._commit_loop, args=(self.ckpt,), name="demo-checkpoint-commit", daemon=True
+        )
         self.committer.start()
         return step
 
@@ -195,8 +218,14 @@ class DemoCheckpoints:
         work.wait()
         return bool(flag.item())
 
-    def save(self, call_wrapper: Any, step: int, model: nn.Module,
-             optimizer: torch.optim.Optimizer, iteration: int) -> None:
+    def save(
+        self,
+        call_wrapper: Any,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        iteration: int,
+    ) -> None:
         """Stage checkpoint ``step`` (collective: all active ranks); blocks for the state-dict
         and the memcpy. Skipped (``checkpoint_skip``) while the previous one is in flight."""
         ckpt = self._checkpointer()
@@ -208,18 +237,37 @@ class DemoCheckpoints:
             return
         if self.rank == 0 and not self.measured_sync:  # once, outside the timed part
             self.measured_sync = True
-            ms, low = sync_save_ms(self.config.root / "sync_baseline.pt", step, model, optimizer)
-            self.log.emit("checkpoint_sync", step=step, ms=round(ms, 3), min_ms=round(low, 3),
-                          samples=SYNC_SAMPLES)
+            try:
+                ms, low = sync_save_ms(
+                    self.config.root / "sync_baseline.pt", step, model, optimizer
+                )
+            except OSError as exc:  # a full or read-only disk: a measurement, not a fault
+                self.log.emit(
+                    "checkpoint_sync_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:300]
+                )
+            else:
+                self.log.emit(
+                    "checkpoint_sync",
+                    step=step,
+                    ms=round(ms, 3),
+                    min_ms=round(low, 3),
+                    samples=SYNC_SAMPLES,
+                )
             t0 = time.perf_counter()
         with call_wrapper.atomic():  # the abort never sees a half-submitted save
             req = ckpt.save(checkpoint_state(step, model, optimizer), step)
         block_s = time.perf_counter() - t0
         self.busy.set()
         self.jobs.put((req, block_s, iteration))
-        self.log.emit("checkpoint_save", step=step, iteration=iteration, format=CHECKPOINT_FORMAT,
-                      block_ms=round(block_s * 1e3, 3), stage_ms=round(req.stage_s * 1e3, 3),
-                      vote_ms=round(vote_s * 1e3, 3))
+        self.log.emit(
+            "checkpoint_save",
+            step=step,
+            iteration=iteration,
+            format=CHECKPOINT_FORMAT,
+            block_ms=round(block_s * 1e3, 3),
+            stage_ms=round(req.stage_s * 1e3, 3),
+            vote_ms=round(vote_s * 1e3, 3),
+        )
 
     def _commit_loop(self, ckpt: AsyncCheckpointer) -> None:
         """Committer thread: finalize each staged save (collective, blocking), in order."""
@@ -229,17 +277,32 @@ class DemoCheckpoints:
             try:
                 done = ckpt.maybe_finalize(blocking=True)
             except Exception as exc:  # noqa: BLE001 - an abort broke the collective, or a timeout
-                self.log.emit("checkpoint_error", step=req.step, iteration=iteration,
-                              error=f"{type(exc).__name__}: {exc}"[:300])
+                self.log.emit(
+                    "checkpoint_error",
+                    step=req.step,
+                    iteration=iteration,
+                    error=f"{type(exc).__name__}: {exc}"[:300],
+                )
                 done = []
             commit_ms = (time.perf_counter() - t0) * 1e3
-            if ckpt.failed_saves > failed:
-                self.log.emit("checkpoint_failed", step=req.step, iteration=iteration)
+            if ckpt.failed_saves > failed:  # the write or the commit failed (e.g. ENOSPC)
+                error = req.record.get("error") if isinstance(req.record, dict) else None
+                self.log.emit(
+                    "checkpoint_failed",
+                    step=req.step,
+                    iteration=iteration,
+                    error=str(error or "see the rank's log")[:300],
+                )
             if req.step in done and self.rank == 0:
-                self.log.emit("checkpoint", step=req.step, iteration=iteration,
-                              committed_at=self.step, block_ms=round(block_s * 1e3, 3),
-                              commit_ms=round(commit_ms, 3),
-                              durable_ms=round((req.durable_s or 0.0) * 1e3, 3))
+                self.log.emit(
+                    "checkpoint",
+                    step=req.step,
+                    iteration=iteration,
+                    committed_at=self.step,
+                    block_ms=round(block_s * 1e3, 3),
+                    commit_ms=round(commit_ms, 3),
+                    durable_ms=round((req.durable_s or 0.0) * 1e3, 3),
+                )
             self.busy.clear()
 
     def _stop_committer(self, timeout_s: float) -> None:

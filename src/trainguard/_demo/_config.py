@@ -33,8 +33,19 @@ _MARKER_TEXT = "made by `trainguard demo`; a new demo run may clear this directo
 # Everything a previous run may have left in the output directory (removed before a new run,
 # only in a directory carrying MARKER).
 RUN_FILES = (
-    "config.json", "data.npz", "checkpoint.pt", "checkpoints", "sync_baseline.pt", "events", "markers", "logs", "pids",
-    "summary.json", "timeline.png",
+    "config.json",
+    "data.npz",
+    "checkpoint.pt",
+    "checkpoints",
+    "sync_baseline.pt",
+    "events",
+    "markers",
+    "logs",
+    "pids",
+    "summary.json",
+    "timeline.png",
+    "goodput",
+    "goodput.json",
 )
 
 
@@ -85,7 +96,8 @@ class DemoConfig:
         return self.root / "logs" / f"rank{rank}.log"
 
     def monitor_pidfile(self) -> str:
-        """Absolute pidfile template for the wrapper's monitor process (``{rank}`` = initial rank)."""
+        """Absolute pidfile template for the wrapper's monitor process (``{rank}``: initial
+        rank)."""
         return str(self.root / "pids" / "monitor{rank}.pid")
 
     @property

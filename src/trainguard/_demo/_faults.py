@@ -40,7 +40,9 @@ class FaultInjector:
 
     def _claim(self, index: int, record: dict) -> bool:
         try:
-            fd = os.open(self.config.marker_path(index), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(
+                self.config.marker_path(index), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+            )
         except FileExistsError:
             return False
         try:

@@ -95,7 +95,8 @@ def _descendants(procs: dict[int, subprocess.Popen], seen: dict[int, float]) -> 
 
 
 def _monitor_pids(config: DemoConfig, since: float) -> dict[int, float]:
-    """Pids from the wrapper's monitor pidfiles that belong to this run (created after ``since``)."""
+    """Pids from the wrapper's monitor pidfiles that belong to this run (created after
+    ``since``)."""
     out = {}
     for path in (config.root / "pids").glob("monitor*.pid"):
         try:
@@ -107,13 +108,18 @@ def _monitor_pids(config: DemoConfig, since: float) -> dict[int, float]:
 
 
 def _reap_helpers(helpers: dict[int, float]) -> list[int]:
-    """Give helper processes time to exit on their own, then stop the rest; returns those stopped."""
+    """Give helper processes time to exit on their own, then stop the rest; returns those
+    stopped."""
+
     def alive() -> list[int]:
         out = []
         for pid, created in helpers.items():
             try:
                 proc = psutil.Process(pid)
-                if abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
+                if (
+                    abs(proc.create_time() - created) < 0.01
+                    and proc.status() != psutil.STATUS_ZOMBIE
+                ):
                     out.append(pid)
             except psutil.Error:
                 continue
@@ -127,7 +133,9 @@ def _reap_helpers(helpers: dict[int, float]) -> list[int]:
     return left
 
 
-def _wait(procs, view: RunView, tail: EventTail, timeout_s: float, live: bool, helpers: dict) -> bool:
+def _wait(
+    procs, view: RunView, tail: EventTail, timeout_s: float, live: bool, helpers: dict
+) -> bool:
     """Poll until every rank exited or ``timeout_s`` passed; returns True on timeout."""
     deadline = Deadline(timeout_s)
     running = dict(procs)
@@ -145,7 +153,9 @@ def _wait(procs, view: RunView, tail: EventTail, timeout_s: float, live: bool, h
     return False
 
 
-def launch(config: DemoConfig, config_path: Path, *, timeout_s: float, console: Console) -> LaunchResult:
+def launch(
+    config: DemoConfig, config_path: Path, *, timeout_s: float, console: Console
+) -> LaunchResult:
     """Run the demo's ranks to completion (or ``timeout_s`` seconds) and reap them.
 
     Blocks at most ``timeout_s`` + about 20 s (grace periods). Ctrl-C stops the ranks and
@@ -166,14 +176,19 @@ def launch(config: DemoConfig, config_path: Path, *, timeout_s: float, console: 
             timed_out = _wait(procs, view, tail, timeout_s, live, helpers)
         ranks_s = time.monotonic() - start
         if timed_out:
-            console.print(f"[bold red]global timeout of {timeout_s:.0f} s expired; stopping the ranks")
+            console.print(
+                f"[bold red]global timeout of {timeout_s:.0f} s expired; stopping the ranks"
+            )
     finally:
         terminate_processes(procs.values(), grace_s=3.0)
         helpers.update(_monitor_pids(config, t0))
         leftover = _reap_helpers(helpers)
     return LaunchResult(
-        t0=t0, wall_s=time.monotonic() - start, ranks_s=ranks_s,
+        t0=t0,
+        wall_s=time.monotonic() - start,
+        ranks_s=ranks_s,
         exits={r: describe_exit(p.returncode) for r, p in procs.items()},
         returncodes={r: p.returncode for r, p in procs.items()},
-        timed_out=timed_out, leftover=leftover,
+        timed_out=timed_out,
+        leftover=leftover,
     )

@@ -45,8 +45,12 @@ class RunView:
             self.console.print(message, highlight=False)
 
     def feed(self, events: list[dict], live: bool) -> None:
-        """Update from new events; without a live display, print notable ones."""
-        for e in events:
+        """Update from new events; without a live display, print notable ones.
+
+        Events are handled in time order, not file order: one poll may bring a restart logged
+        by rank 0 together with the fault that caused it, logged earlier by rank 1.
+        """
+        for e in sorted(events, key=lambda e: float(e.get("t", 0.0))):
             rank, ev = e["rank"], e["ev"]
             if ev == "start":
                 self.status[rank] = "started; waiting for the wrapper (reserve ranks idle here)"
@@ -58,8 +62,11 @@ class RunView:
                 )
                 self.step[rank] = e["resume_step"]
                 if e["active_rank"] == 0:
-                    self._note(f"iteration {e['iteration']}: {e['active_world_size']} active ranks, "
-                               f"resuming after step {e['resume_step']}", live)
+                    self._note(
+                        f"iteration {e['iteration']}: {e['active_world_size']} active ranks, "
+                        f"resuming after step {e['resume_step']}",
+                        live,
+                    )
             elif ev == "step":
                 self.step[rank] = e["step"]
             elif ev == "fault":
@@ -67,9 +74,12 @@ class RunView:
                 self.status[rank] = f"FAULT injected: {e['kind']} at step {e['step']}"
                 self._note(f"rank {rank}: injected {e['kind']} at step {e['step']}", live)
             elif ev == "restart" and e.get("into_iteration") not in self.restarts:
-                self.restarts.add(e.get("into_iteration"))
-                self._note(f"restart into iteration {e.get('into_iteration')} "
-                           f"(cause: {e.get('cause')}, ranks {e.get('fault_ranks')})", live)
+                self.restarts.add(int(e.get("into_iteration", -1)))
+                self._note(
+                    f"restart into iteration {e.get('into_iteration')} "
+                    f"(cause: {e.get('cause')}, ranks {e.get('fault_ranks')})",
+                    live,
+                )
             elif ev == "done":
                 self.status[rank] = f"done, test accuracy {e['accuracy']:.4f}"
             elif ev == "exit" and e.get("status") == "error":
@@ -85,11 +95,15 @@ class RunView:
         self._note(f"rank {rank}: process ended ({text})", live)
 
     def _refresh(self) -> None:
-        active = [s for r, s in self.step.items() if self.status[r].startswith(("training", "FAULT"))]
+        active = [
+            s for r, s in self.step.items() if self.status[r].startswith(("training", "FAULT"))
+        ]
         completed = max(active or self.step.values() or [0])
         self.progress.update(
-            self.task, completed=completed,
-            description=f"iteration {self.iteration} · faults {self.faults_fired}/{self.faults_total}"
+            self.task,
+            completed=completed,
+            description=f"iteration {self.iteration} · "
+            f"faults {self.faults_fired}/{self.faults_total}"
             f" · restarts {len(self.restarts)}",
         )
 

@@ -6,7 +6,9 @@ Definitions (all times are wall-clock seconds from the event logs):
   fault fired in; the ranks' restart records for it are merged (earliest detection, latest
   re-entry).
 * ``detection_s``: injection -> the first rank's wrapper noticed the fault.
-* ``restart_s``: detection -> the last surviving rank re-entered the training function.
+* ``restart_s``: the wrapper's own figure, ``RestartRecord.restart_s`` (the fault as the wrapper
+  dated it -> the rank re-entered the training function; the number it logs as ``restart=``),
+  the largest over the ranks: the restart is over when the last surviving rank is back.
 * ``recovery_s``: injection -> the first training step completed after the restart (includes
   process-group set-up and the checkpoint reload).
 * ``steps_lost``: steps completed in the faulty iteration past the checkpoint the restart
@@ -18,7 +20,8 @@ Definitions (all times are wall-clock seconds from the event logs):
   instead. ``rank_processes``: how many rank processes wrote events (active plus reserve).
 * ``checkpoint``: the asynchronous checkpoints: saves staged (all ranks) and commits, the
   median/max milliseconds a save blocked the training loop, the committer thread's finalize
-  and the save -> durable times, and the synchronous save of the same state timed once in the same run.
+  and the save -> durable times, and the synchronous save of the same state timed once in the
+  same run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ ACCURACY_TARGET = 0.95
 
 
 def _of(events: dict[int, list[dict]], ev: str) -> list[dict]:
-    return sorted((e for evs in events.values() for e in evs if e.get("ev") == ev), key=lambda e: e["t"])
+    return sorted(
+        (e for evs in events.values() for e in evs if e.get("ev") == ev), key=lambda e: e["t"]
+    )
 
 
 def restart_groups(events: dict[int, list[dict]]) -> dict[int, dict]:
@@ -50,15 +55,27 @@ def restart_groups(events: dict[int, list[dict]]) -> dict[int, dict]:
         detected = [r for r in records if r.get("detection_time") is not None]
         first = min(detected, key=lambda r: r["detection_time"]) if detected else records[0]
         reentries = [r["reentry_time"] for r in records if r.get("reentry_time") is not None]
+        restarts = [_record_restart_s(r) for r in records]
         groups[target] = {
             "into_iteration": target,
             "cause": first.get("cause"),
             "fault_ranks": first.get("fault_ranks"),
             "detection_time": first.get("detection_time"),
             "reentry_time": max(reentries) if reentries else None,
+            "restart_s": max((x for x in restarts if x is not None), default=None),
             "reported_by": sorted({r["rank"] for r in records}),
         }
     return groups
+
+
+def _record_restart_s(record: dict) -> float | None:
+    """One rank's restart duration as its restart record defines it (``RestartRecord.restart_s``,
+    the figure the wrapper logs); from the record's times for records written without it."""
+    if record.get("restart_s") is not None:
+        return float(record["restart_s"])
+    if record.get("reentry_time") is None or record.get("fault_time") is None:
+        return None
+    return float(record["reentry_time"]) - float(record["fault_time"])
 
 
 # the wrapper's interruption causes, as the table shows them
@@ -89,9 +106,17 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 
 def _fault_row(spec: FaultSpec, fired: dict | None, events: dict, groups: dict) -> dict:
     row: dict[str, Any] = {
-        "kind": spec.kind, "rank": spec.rank, "step": spec.step, "fired": fired is not None,
-        "detected_by": None, "detection_s": None, "restart_s": None, "recovery_s": None,
-        "steps_lost": None, "world_size_after": None, "recovered": False,
+        "kind": spec.kind,
+        "rank": spec.rank,
+        "step": spec.step,
+        "fired": fired is not None,
+        "detected_by": None,
+        "detection_s": None,
+        "restart_s": None,
+        "recovery_s": None,
+        "steps_lost": None,
+        "world_size_after": None,
+        "recovered": False,
     }
     if fired is None:
         row["detected_by"] = "not fired"
@@ -102,10 +127,10 @@ def _fault_row(spec: FaultSpec, fired: dict | None, events: dict, groups: dict) 
     if group is None:
         row["detected_by"] = "no restart seen"
         return row
-    t_fault, t_detect, t_back = fired["t"], group["detection_time"], group["reentry_time"]
+    t_fault, t_detect = fired["t"], group["detection_time"]
     row["detected_by"] = _detected_by(group)
     row["detection_s"] = _round(t_detect - t_fault if t_detect is not None else None)
-    row["restart_s"] = _round(t_back - t_detect if None not in (t_back, t_detect) else None)
+    row["restart_s"] = _round(group["restart_s"])
     enters = [e for e in _of(events, "enter") if e["iteration"] == it + 1]
     later_steps = [e for e in _of(events, "step") if e["iteration"] > it]
     later_done = [e for e in _of(events, "done") if e["iteration"] > it]
@@ -150,6 +175,7 @@ def build_summary(
     exits: dict[int, str] | None = None,
     timed_out: bool = False,
     accuracy_target: float = ACCURACY_TARGET,
+    checkpoint_every: int | None = None,
 ) -> dict:
     """The ``summary.json`` object for one run (see the module docstring for the definitions).
 
@@ -160,6 +186,13 @@ def build_summary(
         wall_s: the demo's wall time, seconds.
         exits: per initial rank, how its process ended (text).
         timed_out: the parent's global timeout expired.
+        checkpoint_every: steps between checkpoints; when given, the last checkpoint due
+            (step ``steps // checkpoint_every * checkpoint_every``) must be committed.
+
+    ``ok`` (PASS) means: every planned fault recovered, no unplanned restart, no failed
+    checkpoint save or commit, the checkpoints due committed, training finished every step at
+    the target accuracy, and the global timeout did not expire. Otherwise ``problems`` lists
+    each reason in a sentence.
     """
     fired = {e["index"]: e for e in _of(events, "fault")}
     groups = restart_groups(events)
@@ -168,8 +201,19 @@ def build_summary(
     done = _of(events, "done")
     accuracy = done[-1]["accuracy"] if done else None
     good = _goodput(events, wall_s)
-    problems = [f"{spec.label} not recovered ({row['detected_by']})"
-                for spec, row in zip(faults, rows) if not row["recovered"]]
+    unplanned = [g for t, g in groups.items() if t not in matched]
+    ck = checkpoint_summary(events)
+    problems = [
+        f"{spec.label} not recovered ({row['detected_by']})"
+        for spec, row in zip(faults, rows)
+        if not row["recovered"]
+    ]
+    problems += [
+        f"unplanned restart into iteration {g['into_iteration']}: {_detected_by(g)}"
+        for g in unplanned
+    ]
+    planned_its = {int(fired[i]["iteration"]) for i in range(len(faults)) if i in fired}
+    problems += _checkpoint_problems(events, ck, steps, checkpoint_every, planned_its)
     if accuracy is None:
         problems.append("training did not finish (no accuracy)")
     elif accuracy < accuracy_target:
@@ -188,13 +232,58 @@ def build_summary(
         **{k: v for k, v in good.items() if k != "goodput"},
         "steps": steps,
         "restarts": len(groups),
-        "unplanned_restarts": [g for t, g in groups.items() if t not in matched],
+        "unplanned_restarts": unplanned,
         "exits": {str(k): v for k, v in sorted((exits or {}).items())},
         "timed_out": timed_out,
         "problems": problems,
         "ok": not problems,
-        "checkpoint": checkpoint_summary(events),
+        "checkpoint": ck,
     }
+
+
+def _checkpoint_problems(
+    events: dict[int, list[dict]],
+    ck: dict,
+    steps: int,
+    every: int | None,
+    planned_iterations: set[int],
+) -> list[str]:
+    """Why the run's checkpoints do not count as working (empty when they do).
+
+    A failed write or commit is a problem; so is an error of the committer that is not the
+    abort of a planned fault's iteration, no commit at all although saves were made, and (when
+    ``every`` is given) a newest commit older than the last two checkpoints due (one may be
+    skipped while its predecessor is still in flight).
+    """
+    out = []
+    failed = _of(events, "checkpoint_failed")
+    if failed:
+        out.append(
+            f"{len(failed)} checkpoint save(s) failed (first: step {failed[0].get('step')}: "
+            f"{failed[0].get('error', 'see the rank logs')})"
+        )
+    errors = [
+        e for e in _of(events, "checkpoint_error") if e.get("iteration") not in planned_iterations
+    ]
+    if errors:
+        out.append(
+            f"{len(errors)} checkpoint commit error(s) outside a planned fault (first: "
+            f"{errors[0].get('error')})"
+        )
+    sync_failed = _of(events, "checkpoint_sync_failed")
+    if sync_failed:
+        out.append(f"the synchronous baseline save failed: {sync_failed[0].get('error')}")
+    last_due = (steps // every) * every if every else 0
+    newest = max(ck["committed_steps"], default=0)
+    if ck["saves"] and not ck["committed"]:
+        out.append(f"no checkpoint committed ({ck['saves']} saves)")
+    elif last_due and newest < last_due - every:  # type: ignore[operator]
+        # one skip is allowed: a save is skipped while the previous one is still in flight
+        out.append(
+            f"checkpoints stopped committing: the newest is step {newest or 'none'}, "
+            f"the last due was step {last_due}"
+        )
+    return out
 
 
 def _median(values: list[float]) -> float | None:
@@ -221,11 +310,15 @@ def checkpoint_summary(events: dict[int, list[dict]]) -> dict:
         "max_block_ms": round(max(block), 3) if block else None,
         "median_stage_ms": _median([float(e["stage_ms"]) for e in saves if "stage_ms" in e]),
         "median_commit_ms": _median([float(e["commit_ms"]) for e in commits if "commit_ms" in e]),
-        "median_durable_ms": _median([float(e["durable_ms"]) for e in commits if "durable_ms" in e]),
+        "median_durable_ms": _median(
+            [float(e["durable_ms"]) for e in commits if "durable_ms" in e]
+        ),
         "max_commit_lag_steps": max(lags) if lags else None,
         "sync_save_ms": sync_ms,
         "sync_save_min_ms": float(sync[0]["min_ms"]) if sync and "min_ms" in sync[0] else None,
-        "sync_vs_async_block": round(sync_ms / median_block, 1) if sync_ms and median_block else None,
+        "sync_vs_async_block": round(sync_ms / median_block, 1)
+        if sync_ms and median_block
+        else None,
     }
 
 
@@ -240,7 +333,10 @@ _COLUMNS = (  # (header, summary key or callable)
     ("restart\n(s)", lambda r: _fmt(r["restart_s"])),
     ("training\nagain (s)", lambda r: _fmt(r["recovery_s"])),
     ("steps\nlost", lambda r: "-" if r["steps_lost"] is None else str(r["steps_lost"])),
-    ("world size\nafter", lambda r: "-" if r["world_size_after"] is None else str(r["world_size_after"])),
+    (
+        "world size\nafter",
+        lambda r: "-" if r["world_size_after"] is None else str(r["world_size_after"]),
+    ),
     ("recovered", lambda r: "yes" if r["recovered"] else "NO"),
 )
 
@@ -249,7 +345,9 @@ def _fault_table(faults: list[dict], narrow: bool) -> Any:
     from rich import box
     from rich.table import Table
 
-    table = Table(title="trainguard demo: faults and recovery", title_style="bold", box=box.SIMPLE_HEAD)
+    table = Table(
+        title="trainguard demo: faults and recovery", title_style="bold", box=box.SIMPLE_HEAD
+    )
     if narrow:  # one column per fault, one row per measure
         table.show_header = False
         table.add_column("")
@@ -260,7 +358,12 @@ def _fault_table(faults: list[dict], narrow: bool) -> Any:
         return table
     for header, _ in _COLUMNS:
         text = header in ("fault", "detected by")
-        table.add_column(header, justify="left" if text else "right", no_wrap=not text, min_width=14 if text else None)
+        table.add_column(
+            header,
+            justify="left" if text else "right",
+            no_wrap=not text,
+            min_width=14 if text else None,
+        )
     for r in faults:
         table.add_row(*(get(r) for _, get in _COLUMNS), style=None if r["recovered"] else "red")
     return table
@@ -288,18 +391,27 @@ def render_table(summary: dict, width: int | None = None) -> Any:
     table = _fault_table(faults, narrow) if faults else Text("no faults injected")
     acc = summary["accuracy"]
     lines = [
-        f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})" if acc is not None
+        f"accuracy {acc:.4f} (target {summary['accuracy_target']:.2f})"
+        if acc is not None
         else "accuracy: training did not finish",
         _goodput_line(summary),
         f"steps {summary['steps_completed']}/{summary['steps']}, restarts {summary['restarts']}"
-        + (f" ({len(summary['unplanned_restarts'])} unplanned)" if summary["unplanned_restarts"] else ""),
+        + (
+            f" ({len(summary['unplanned_restarts'])} unplanned)"
+            if summary["unplanned_restarts"]
+            else ""
+        ),
     ]
     ck = summary.get("checkpoint") or {}
     if ck.get("saves"):
-        sync = "not measured" if ck.get("sync_save_ms") is None else (
-            f"{ck['sync_save_ms']:.2f} ms (min {_fmt(ck.get('sync_save_min_ms'))})")
+        sync = (
+            "not measured"
+            if ck.get("sync_save_ms") is None
+            else (f"{ck['sync_save_ms']:.2f} ms (min {_fmt(ck.get('sync_save_min_ms'))})")
+        )
         lines.append(
-            f"checkpoints ({ck['format']}, async): {ck['committed']} committed, {ck['saves']} saves; "
+            f"checkpoints ({ck['format']}, async): {ck['committed']} committed, "
+            f"{ck['saves']} saves; "
             f"training blocked {_fmt(ck['median_block_ms'])} ms median (min "
             f"{_fmt(ck['min_block_ms'])}, max {_fmt(ck['max_block_ms'])}) per save vs {sync} for "
             f"a synchronous torch.save + fsync; committed off the loop in "

@@ -73,12 +73,16 @@ def parse_faults(text: str) -> list[FaultSpec]:
             )
         kind = match["kind"]
         if kind not in FAULT_KINDS:
-            raise ConfigError(f"bad fault {item!r}: unknown kind {kind!r}; use one of {', '.join(FAULT_KINDS)}")
+            raise ConfigError(
+                f"bad fault {item!r}: unknown kind {kind!r}; use one of {', '.join(FAULT_KINDS)}"
+            )
         spec = FaultSpec(kind=kind, rank=int(match["rank"]), step=int(match["step"]))
         if spec.step < 1:
             raise ConfigError(f"bad fault {item!r}: steps are numbered from 1")
         if any((f.rank, f.step) == (spec.rank, spec.step) for f in faults):
-            raise ConfigError(f"bad fault {item!r}: rank {spec.rank} already has a fault at step {spec.step}")
+            raise ConfigError(
+                f"bad fault {item!r}: rank {spec.rank} already has a fault at step {spec.step}"
+            )
         faults.append(spec)
     return faults
 
@@ -101,7 +105,9 @@ def validate_faults(faults: list[FaultSpec], *, ranks: int, reserve: int, steps:
                 f"--ranks {ranks} --reserve-ranks {reserve})"
             )
         if f.step > steps:
-            raise ConfigError(f"fault {f.label}: step {f.step} is past the last step ({steps}); raise --steps")
+            raise ConfigError(
+                f"fault {f.label}: step {f.step} is past the last step ({steps}); raise --steps"
+            )
     killed = {f.rank: f.step for f in sorted(faults, key=lambda f: -f.step) if f.kind == "sigkill"}
     for f in faults:
         if f.rank in killed and f.step > killed[f.rank]:

@@ -15,7 +15,11 @@ from trainguard._demo._report import restart_groups
 
 __all__ = ["plot_timeline"]
 
-_FAULT_STYLE = {"exception": ("X", "tab:red"), "hang": ("P", "tab:purple"), "sigkill": ("v", "black")}
+_FAULT_STYLE = {
+    "exception": ("X", "tab:red"),
+    "hang": ("P", "tab:purple"),
+    "sigkill": ("v", "black"),
+}
 
 
 def _series(events: dict[int, list[dict]], t0: float):
@@ -36,8 +40,14 @@ def _shade_restarts(axes, events: dict[int, list[dict]], t0: float) -> None:
         for ax in axes:
             ax.axvspan(start - t0, end - t0, color="orange", alpha=0.3, lw=0)
         axes[0].annotate(
-            f"restart→it{group['into_iteration']}", (end - t0, 1.0), xycoords=("data", "axes fraction"),
-            fontsize=7, ha="left", va="top", rotation=90, color="darkorange",
+            f"restart→it{group['into_iteration']}",
+            (end - t0, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            ha="left",
+            va="top",
+            rotation=90,
+            color="darkorange",
         )
 
 
@@ -45,14 +55,23 @@ def _bar(ax, rank: int, start: float, end: float, **style) -> None:
     ax.broken_barh([(start, max(end - start, 0.01))], (rank - 0.35, 0.7), **style)
 
 
-def _lane(ax, rank: int, evs: list[dict], per_it: dict, colors: dict, restarts: dict, t0: float) -> None:
+def _lane(
+    ax, rank: int, evs: list[dict], per_it: dict, colors: dict, restarts: dict, t0: float
+) -> None:
     start = next((e["t"] - t0 for e in evs if e["ev"] == "start"), 0.0)
     enter = next((e["t_fn"] - t0 for e in evs if e["ev"] == "enter" and "t_fn" in e), None)
     last = max((e["t"] - t0 for e in evs), default=start)
     _bar(ax, rank, start, enter if enter is not None else last, color="0.85")
     for e in evs:
         if e["ev"] == "enter" and e["iteration"] in per_it and "t_fn" in e:  # set-up + reload
-            _bar(ax, rank, e["t_fn"] - t0, per_it[e["iteration"]][0][0], color=colors[e["iteration"]], alpha=0.35)
+            _bar(
+                ax,
+                rank,
+                e["t_fn"] - t0,
+                per_it[e["iteration"]][0][0],
+                color=colors[e["iteration"]],
+                alpha=0.35,
+            )
     for it, points in sorted(per_it.items()):
         _bar(ax, rank, points[0][0], points[-1][0], color=colors[it])
     for e in evs:
@@ -60,10 +79,24 @@ def _lane(ax, rank: int, evs: list[dict], per_it: dict, colors: dict, restarts: 
             marker, color = _FAULT_STYLE.get(e["kind"], ("o", "red"))
             group = restarts.get(e["iteration"] + 1)
             if e["kind"] == "hang" and group and group["detection_time"]:
-                _bar(ax, rank, e["t"] - t0, group["detection_time"] - t0, facecolor="none",
-                     edgecolor=color, hatch="///")
+                _bar(
+                    ax,
+                    rank,
+                    e["t"] - t0,
+                    group["detection_time"] - t0,
+                    facecolor="none",
+                    edgecolor=color,
+                    hatch="///",
+                )
             ax.plot(e["t"] - t0, rank, marker=marker, color=color, ms=11, mec="white")
-            ax.annotate(e["kind"], (e["t"] - t0, rank + 0.38), fontsize=8, ha="center", va="top", color=color)
+            ax.annotate(
+                e["kind"],
+                (e["t"] - t0, rank + 0.38),
+                fontsize=8,
+                ha="center",
+                va="top",
+                color=color,
+            )
         elif e["ev"] == "exit":
             ax.plot(e["t"] - t0, rank, marker="|", color="black", ms=14)
 
@@ -78,7 +111,8 @@ def _lanes(ax, events: dict[int, list[dict]], series, t0: float) -> None:
     ax.set_xlabel("seconds since launch")
     ax.set_title(
         "grey: start-up / reserve · pale: process group + checkpoint reload · colour: training "
-        "(by iteration) · hatched: hung · |: exit", fontsize=9,
+        "(by iteration) · hatched: hung · |: exit",
+        fontsize=9,
     )
 
 
@@ -104,11 +138,20 @@ def _mark_faults(ax, events: dict[int, list[dict]], t0: float) -> list:
             marker, color = _FAULT_STYLE.get(e["kind"], ("o", "red"))
             point = (e["t"] - t0, e["step"] - 1)
             ax.plot(*point, marker=marker, color=color, ms=11, mec="white", zorder=4)
-            labels.append(ax.annotate(
-                f"{e['kind']} @rank{e['rank']}", point, xytext=(-7, 7), textcoords="offset points",
-                ha="right", va="bottom", fontsize=8, color=color, zorder=5,
-                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
-            ))
+            labels.append(
+                ax.annotate(
+                    f"{e['kind']} @rank{e['rank']}",
+                    point,
+                    xytext=(-7, 7),
+                    textcoords="offset points",
+                    ha="right",
+                    va="bottom",
+                    fontsize=8,
+                    color=color,
+                    zorder=5,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+                )
+            )
     return labels
 
 
@@ -127,7 +170,14 @@ def _draw(events: dict[int, list[dict]], t0: float, title: str = ""):
     for rank, per_it in sorted(series.items()):
         for it, points in sorted(per_it.items()):
             xs, ys = zip(*points)
-            top.plot(xs, ys, color=colors[it], lw=1.5, alpha=0.8, label=f"iteration {it}" if rank == min(series) else None)
+            top.plot(
+                xs,
+                ys,
+                color=colors[it],
+                lw=1.5,
+                alpha=0.8,
+                label=f"iteration {it}" if rank == min(series) else None,
+            )
     _mark_faults(top, events, t0)
     for evs in events.values():
         for e in evs:
@@ -142,13 +192,20 @@ def _draw(events: dict[int, list[dict]], t0: float, title: str = ""):
     starts = [e["t"] - t0 for evs in events.values() for e in evs if e["ev"] == "start"]
     if starts:  # the time before is interpreter + torch import; say so instead of drawing it
         bottom.set_xlim(left=min(starts) - 0.5)
-        bottom.annotate(f"ranks started {min(starts):.1f}-{max(starts):.1f} s after launch (imports)",
-                        (0.005, -0.2), xycoords="axes fraction", fontsize=8, color="0.4")
+        bottom.annotate(
+            f"ranks started {min(starts):.1f}-{max(starts):.1f} s after launch (imports)",
+            (0.005, -0.2),
+            xycoords="axes fraction",
+            fontsize=8,
+            color="0.4",
+        )
     fig.tight_layout()
     return fig
 
 
-def plot_timeline(events: dict[int, list[dict]], path: str | os.PathLike, t0: float, title: str = "") -> str:
+def plot_timeline(
+    events: dict[int, list[dict]], path: str | os.PathLike, t0: float, title: str = ""
+) -> str:
     """Draw the run in ``events`` to ``path`` (PNG); ``t0`` is the launch time (wall-clock s)."""
     from matplotlib import pyplot as plt
 

@@ -35,7 +35,11 @@ def build_model(hidden: int, seed: int) -> nn.Module:
     """A 64 -> hidden -> hidden -> 10 MLP, initialised identically on every rank from ``seed``."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        nn.Linear(64, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
     )
 
 
@@ -55,10 +59,12 @@ class _Batches:
     resumed run draws the same batches as an uninterrupted one with the same world size.
     """
 
-    def __init__(self, dataset: TensorDataset, rank: int, world_size: int, batch: int, seed: int) -> None:
+    def __init__(
+        self, dataset: TensorDataset, rank: int, world_size: int, batch: int, seed: int
+    ) -> None:
         self.dataset = dataset
         self.batch = batch
-        self.sampler = DistributedSampler(
+        self.sampler: DistributedSampler = DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
         self.per_epoch = max(1, len(self.sampler) // batch)
@@ -88,7 +94,9 @@ class Trainer:
         self.log = log
         self.faults = FaultInjector(config, rank, log)
         arrays = load_split(config.data_path)
-        self.train_set = TensorDataset(torch.from_numpy(arrays["x_train"]), torch.from_numpy(arrays["y_train"]))
+        self.train_set = TensorDataset(
+            torch.from_numpy(arrays["x_train"]), torch.from_numpy(arrays["y_train"])
+        )
         self.x_test = torch.from_numpy(arrays["x_test"])
         self.y_test = torch.from_numpy(arrays["y_test"])
         self.records_logged = 0
@@ -112,12 +120,16 @@ class Trainer:
 
 
 def _record_fields(record: Any) -> dict:
-    if dataclasses.is_dataclass(record):
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
         fields = dataclasses.asdict(record)
     elif isinstance(record, dict):
         fields = dict(record)
     else:
         fields = {k: v for k, v in vars(record).items() if not k.startswith("_")}
+    for name in ("detection_s", "restart_s"):  # the record's own figures, as the wrapper logs them
+        value = getattr(record, name, None)
+        if isinstance(value, (int, float)):
+            fields[name] = value
     for key in ("ev", "t", "rank"):  # keep the event's own keys intact
         if key in fields:
             fields[f"record_{key}"] = fields.pop(key)
@@ -158,8 +170,13 @@ def train(trainer: Trainer, call_wrapper: CallWrapper | None = None) -> float:
     ddp = DistributedDataParallel(model)
     batches = _Batches(trainer.train_set, rank, world, cfg.batch_size, cfg.seed)
     trainer.log.emit(
-        "enter", iteration=iteration, active_rank=rank, active_world_size=world,
-        world_size=state.world_size, resume_step=resume, t_fn=t_fn,
+        "enter",
+        iteration=iteration,
+        active_rank=rank,
+        active_world_size=world,
+        world_size=state.world_size,
+        resume_step=resume,
+        t_fn=t_fn,
     )
     for step in range(resume + 1, cfg.steps + 1):
         trainer.faults.maybe_fire(step, iteration)

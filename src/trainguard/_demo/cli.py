@@ -6,8 +6,10 @@ Spawns ``--ranks`` active plus ``--reserve-ranks`` spare rank processes, each tr
 table of how each fault was detected and recovered, ``summary.json`` and ``timeline.png`` in
 ``--output-dir``.
 
-Exit status: 0 when every fault was recovered and the test accuracy reached 0.95; 1 otherwise
-(or when the global ``--timeout`` expired); 2 for bad arguments or an unusable ``--output-dir``
+Exit status: 0 (PASS) when every planned fault was recovered, no unplanned restart happened, the
+checkpoints committed (no failed save) and the test accuracy reached 0.95; 1 otherwise, with
+each problem listed (also when the global ``--timeout`` expired); 2 for bad arguments or an
+unusable ``--output-dir``
 (not a directory, not writable, or a non-empty directory the demo did not make: the demo only
 clears directories carrying its ``.trainguard-demo`` marker); 130 on Ctrl-C.
 """
@@ -28,8 +30,10 @@ _DESCRIPTION = (
     "Spawn active and reserve rank processes that train a classifier on scikit-learn's digits "
     "with DistributedDataParallel over gloo under trainguard.inprocess.Wrapper, inject a fault "
     "schedule, and report how each fault was detected and recovered (table, summary.json, "
-    "timeline.png). Exit status: 0 when every fault was recovered and test accuracy reached 0.95, "
-    "1 otherwise, 2 for bad arguments or an unusable --output-dir (the demo only clears an empty "
+    "timeline.png). Exit status: 0 (PASS) when every planned fault was recovered, no unplanned "
+    "restart happened, checkpoints committed and test accuracy reached 0.95; 1 otherwise (the "
+    "problems are listed), 2 for bad arguments or an unusable --output-dir (the demo only "
+    "clears an empty "
     "directory or one it made, marked by a .trainguard-demo file)."
 )
 _DEFAULTS = {"ranks": 4, "reserve_ranks": 1, "steps": 160, "checkpoint_every": 10}
@@ -66,29 +70,92 @@ def register(subparsers: argparse._SubParsersAction) -> list[str]:
 
     kinds = "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items())
     p = subparsers.add_parser(
-        "demo", help="train on digits under in-process restart while faults are injected",
+        "demo",
+        help="train on digits under in-process restart while faults are injected",
         description=_DESCRIPTION,
     )
-    p.add_argument("--ranks", metavar="N", type=_positive(int, 1), default=_DEFAULTS["ranks"], help="active ranks (default 4)")
-    p.add_argument("--reserve-ranks", metavar="N", type=_positive(int, 0), default=_DEFAULTS["reserve_ranks"],
-                   help="idle spare ranks that replace removed ones (default 1)")
-    p.add_argument("--faults", metavar="SCHEDULE", type=_faults, default=DEFAULT_FAULTS,
-                   help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}); "
-                   f"R is the initial rank; {kinds}")
-    p.add_argument("--seed", metavar="N", type=_positive(int, 0), default=0, help="data split, init and sampling seed (default 0)")
-    p.add_argument("--output-dir", metavar="DIR", default="trainguard-demo",
-                   help="where summary.json, timeline.png, logs and checkpoints go; must be new, empty "
-                   "or made by an earlier demo run (default ./trainguard-demo)")
-    p.add_argument("--steps", metavar="N", type=_positive(int, 1), default=_DEFAULTS["steps"], help="global training steps (default 160)")
-    p.add_argument("--checkpoint-every", metavar="N", type=_positive(int, 1), default=_DEFAULTS["checkpoint_every"],
-                   help="steps between checkpoints (default 10)")
-    p.add_argument("--batch-size", metavar="N", type=_positive(int, 1), default=32, help="samples per active rank per step (default 32)")
-    p.add_argument("--soft-timeout", metavar="S", type=_positive(float, 0.5), default=3.0,
-                   help="seconds without progress before a hung rank is interrupted (default 3)")
-    p.add_argument("--hard-timeout", metavar="S", type=_positive(float, 1.0), default=8.0,
-                   help="seconds without progress before a hung rank is killed (default 8)")
-    p.add_argument("--timeout", metavar="S", type=_positive(float, 10.0), default=170.0,
-                   help="global limit for the whole run, seconds (default 170)")
+    p.add_argument(
+        "--ranks",
+        metavar="N",
+        type=_positive(int, 1),
+        default=_DEFAULTS["ranks"],
+        help="active ranks (default 4)",
+    )
+    p.add_argument(
+        "--reserve-ranks",
+        metavar="N",
+        type=_positive(int, 0),
+        default=_DEFAULTS["reserve_ranks"],
+        help="idle spare ranks that replace removed ones (default 1)",
+    )
+    p.add_argument(
+        "--faults",
+        metavar="SCHEDULE",
+        type=_faults,
+        default=DEFAULT_FAULTS,
+        help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}); "
+        f"R is the initial rank; {kinds}",
+    )
+    p.add_argument(
+        "--seed",
+        metavar="N",
+        type=_positive(int, 0),
+        default=0,
+        help="data split, init and sampling seed (default 0)",
+    )
+    p.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        default="trainguard-demo",
+        help="where summary.json, timeline.png, logs and checkpoints go; must be new, empty "
+        "or made by an earlier demo run (default ./trainguard-demo)",
+    )
+    p.add_argument(
+        "--steps",
+        metavar="N",
+        type=_positive(int, 1),
+        default=_DEFAULTS["steps"],
+        help="global training steps (default 160)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=_positive(int, 1),
+        default=_DEFAULTS["checkpoint_every"],
+        help="steps between checkpoints (default 10)",
+    )
+    p.add_argument(
+        "--batch-size",
+        metavar="N",
+        type=_positive(int, 1),
+        default=32,
+        help="samples per active rank per step (default 32)",
+    )
+    p.add_argument(
+        "--soft-timeout",
+        metavar="S",
+        type=_positive(float, 0.5),
+        default=3.0,
+        help="seconds without progress before a hung rank is interrupted (default 3)",
+    )
+    p.add_argument(
+        "--hard-timeout",
+        metavar="S",
+        type=_positive(float, 1.0),
+        default=8.0,
+        help="seconds without progress before a hung rank is killed (default 8)",
+    )
+    p.add_argument("--duration", metavar="S", type=_positive(float, 20.0), default=None,
+                   help="instead of the digits run: train a DDP job for S seconds with a fault "
+                   "every 30 s from a seeded mix (exception, SIGKILL, hangs, full disk) and print "
+                   "its goodput, the figure bench/goodput.py reports (e.g. --duration 180)")
+    p.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_positive(float, 10.0),
+        default=170.0,
+        help="global limit for the whole run, seconds (default 170)",
+    )
     p.set_defaults(func=_run, _parser=p)
     return ["demo"]
 
@@ -99,18 +166,27 @@ def _config(args: argparse.Namespace):
 
     if args.soft_timeout >= args.hard_timeout:
         raise ConfigError(
-            f"--soft-timeout ({args.soft_timeout}) must be below --hard-timeout ({args.hard_timeout})"
+            f"--soft-timeout ({args.soft_timeout}) must be below "
+            f"--hard-timeout ({args.hard_timeout})"
         )
     validate_faults(args.faults, ranks=args.ranks, reserve=args.reserve_ranks, steps=args.steps)
     return DemoConfig(
-        output_dir=str(Path(args.output_dir).resolve()), ranks=args.ranks, reserve=args.reserve_ranks,
-        steps=args.steps, checkpoint_every=args.checkpoint_every, batch_size=args.batch_size,
-        seed=args.seed, faults=tuple(args.faults), soft_timeout_s=args.soft_timeout,
+        output_dir=str(Path(args.output_dir).resolve()),
+        ranks=args.ranks,
+        reserve=args.reserve_ranks,
+        steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        faults=tuple(args.faults),
+        soft_timeout_s=args.soft_timeout,
         hard_timeout_s=args.hard_timeout,
     )
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.duration is not None:
+        return _run_goodput(args)
     try:
         config = _config(args)
     except ConfigError as exc:
@@ -130,7 +206,8 @@ def _run(args: argparse.Namespace) -> int:
     faults = ", ".join(f.label for f in config.faults) or "none"
     console.print(
         f"[bold]trainguard demo[/]: {config.ranks} active + {config.reserve} reserve ranks, "
-        f"{config.steps} steps, digits ({sizes['train']} train / {sizes['test']} test), faults: {faults}"
+        f"{config.steps} steps, digits ({sizes['train']} train / {sizes['test']} test), "
+        f"faults: {faults}"
     )
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -157,7 +234,57 @@ def _prepare(config) -> tuple[dict[str, int], Path]:
     try:
         return prepare_split(config.data_path, config.seed), config.save()
     except OSError as exc:  # e.g. the disk is full
-        raise OutputDirError(f"cannot use output dir '{config.root}': {os_reason(exc, config.root)}") from exc
+        raise OutputDirError(
+            f"cannot use output dir '{config.root}': {os_reason(exc, config.root)}"
+        ) from exc
+
+
+def _run_goodput(args: argparse.Namespace) -> int:
+    """``--duration``: the goodput run of ``bench/goodput.py``, trainguard mode only."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from trainguard._demo._config import OutputDirError, clear_run_files
+    from trainguard._demo._goodput import GoodputConfig, median_lost, run_modes
+
+    root = Path(args.output_dir).resolve()
+    try:
+        clear_run_files(root)
+    except OutputDirError as exc:
+        args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
+    cfg = GoodputConfig(duration_s=args.duration, ranks=args.ranks, seed=args.seed)
+    console = Console()
+    console.print(f"[bold]trainguard demo --duration {args.duration:.0f}[/]: {cfg.ranks} ranks "
+                  f"train for {args.duration:.0f} s, a fault every {cfg.fault_every_s:.0f} s")
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        plan, runs, tmpfs, _ = run_modes(cfg, str(root / "goodput"), ("ours",))
+    except (KeyboardInterrupt, _Terminated) as exc:
+        console.print("[bold red]interrupted; every rank was stopped")
+        return 143 if isinstance(exc, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run = runs["ours"]
+    table = Table(title="goodput under faults")
+    for name in ("fault", "seconds lost", "recovered"):
+        table.add_column(name)
+    for row in run.figures["faults"]:
+        lost = "-" if row["lost_s"] is None else f"{row['lost_s']:.2f}"
+        table.add_row(f"{row['kind']} at {row['t']:.0f} s, rank {row['rank']}", lost,
+                      "yes" if row["recovered"] else "NO")
+    console.print(table)
+    recovered = all(r["recovered"] for r in run.figures["faults"])
+    console.print(
+        f"goodput {run.figures['goodput']:.3f} ({run.figures['kept_steps']} steps of "
+        f"{run.figures['median_step_ms']:.0f} ms in {run.figures['window_s']:.1f} s; median "
+        f"{median_lost(run.figures)} s lost per fault)"
+        + ("" if tmpfs else "; full disk left out (needs root for a tmpfs)"))
+    (root / "goodput.json").write_text(json.dumps(
+        {"plan": plan, "figures": run.figures, "exit_codes": run.exit_codes}, indent=2))
+    ok = run.ok and recovered
+    console.print("[bold green]PASS" if ok else "[bold red]FAIL: a fault was not recovered "
+                  f"or a rank failed (exit codes {run.exit_codes}); logs in {root / 'goodput'}")
+    return 0 if ok else 1
 
 
 class _Terminated(BaseException):
@@ -175,18 +302,32 @@ def _finish(config, result, console, wall_s: float) -> int:
 
     events = read_events(config.root / "events")
     summary = build_summary(
-        events, list(config.faults), steps=config.steps, wall_s=wall_s,
-        exits=result.exits, timed_out=result.timed_out,
+        events,
+        list(config.faults),
+        steps=config.steps,
+        wall_s=wall_s,
+        exits=result.exits,
+        timed_out=result.timed_out,
+        checkpoint_every=config.checkpoint_every,
     )
     summary["helpers_killed_by_parent"] = result.leftover
     summary["ranks_exited_s"] = round(result.ranks_s, 3)
     summary["launch_time"] = result.t0
     png = config.root / "timeline.png"
     acc = "n/a" if summary["accuracy"] is None else f"{summary['accuracy']:.4f}"
-    title = f"trainguard demo: {config.ranks} active + {config.reserve} reserve ranks, accuracy {acc}"
-    plot_timeline(events, png, result.t0, title=title)
+    title = (
+        f"trainguard demo: {config.ranks} active + {config.reserve} reserve ranks, accuracy {acc}"
+    )
     summary["timeline"] = str(png)
-    (config.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        plot_timeline(events, png, result.t0, title=title)
+        (config.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    except OSError as exc:  # e.g. the output disk is full: report it, never a traceback
+        summary["problems"].append(f"cannot write the run's outputs to {config.root}: "
+                                   f"{exc.strerror or exc}")
+        summary["ok"] = False
     console.print(render_table(summary, width=console.width))
-    console.print(f"summary: {config.root / 'summary.json'}  timeline: {png}  logs: {config.root / 'logs'}")
+    console.print(
+        f"summary: {config.root / 'summary.json'}  timeline: {png}  logs: {config.root / 'logs'}"
+    )
     return 0 if summary["ok"] else 1

@@ -56,9 +56,12 @@ def register(subparsers) -> list[str]:
     s.add_argument("--db", help="sqlite:///PATH result store (default sqlite:///"
                    "$XDG_STATE_HOME/trainguard/attrsvc.db, i.e. ~/.local/state/trainguard/"
                    "attrsvc.db when XDG_STATE_HOME is unset; printed at startup)")
-    s.add_argument("--rate-limit", type=int, default=600, help="requests/minute per client (default %(default)s)")
-    s.add_argument("--max-body", type=int, default=64 * 1024, help="max request body in bytes (default %(default)s)")
-    s.add_argument("--workers", type=int, default=2, help="concurrent analyses (default %(default)s)")
+    s.add_argument("--rate-limit", type=int, default=600,
+                   help="requests/minute per client (default %(default)s)")
+    s.add_argument("--max-body", type=int, default=64 * 1024,
+                   help="max request body in bytes (default %(default)s)")
+    s.add_argument("--workers", type=int, default=2,
+                   help="concurrent analyses (default %(default)s)")
     s.add_argument("--jsonl", help="append every result to this JSON-lines file")
     s.add_argument("--webhook", help="POST every result to this URL (3 tries with backoff)")
     s.add_argument("--slack-webhook", help="Slack incoming-webhook URL (STOP verdicts only)")

@@ -58,7 +58,8 @@ class WebhookPoster:
 
     def __init__(self, url: str, attempts: int = 3, backoff_s: float = 0.5,
                  timeout_s: float = 10.0, transform=None) -> None:
-        self.url, self.attempts, self.backoff_s, self.timeout_s = url, attempts, backoff_s, timeout_s
+        self.url, self.attempts = url, attempts
+        self.backoff_s, self.timeout_s = backoff_s, timeout_s
         self.transform = transform
 
     def _payload(self, record: dict[str, Any]) -> dict[str, Any] | None:
@@ -94,7 +95,8 @@ def format_slack(record: dict[str, Any]) -> dict[str, Any] | None:
     ev = (result.get("evidence") or [{}])[0]
     cite = f"\n`{ev.get('file')}:{ev.get('line')}` {ev.get('text', '')[:300]}" if ev else ""
     text = (f":octagonal_sign: *trainguard*: job `{record.get('job_id')}` cycle "
-            f"{record.get('cycle')} will not be restarted.\n{record.get('reason') or result.get('reason')}"
+            f"{record.get('cycle')} will not be restarted.\n"
+            f"{record.get('reason') or result.get('reason')}"
             f"{cite}")
     return {"text": text}
 

@@ -174,7 +174,10 @@ class AnalysisService:
             self.store.insert(rid, job_id, cycle, key, request)
         self.metrics.inc("submitted_total")
         self._pool.submit(self._run, rid)
-        return self.store.get(rid), False
+        row = self.store.get(rid)
+        if row is None:  # inserted above under the lock; a missing row is a store defect
+            raise RuntimeError(f"analysis {rid} vanished from the store right after its insert")
+        return row, False
 
     def _history(self, job_id: str, cycle: int) -> list[dict[str, Any]]:
         return [r["result"]["analysis"] for r in self.store.by_job(job_id, limit=1000)
@@ -185,7 +188,8 @@ class AnalysisService:
         req = rec["request"]
         analysis: dict[str, Any] | None = None
         if req["log_paths"]:
-            analysis = analyze_logs(req["log_paths"], job_ended=req.get("job_ended", True)).to_dict()
+            analysis = analyze_logs(
+                req["log_paths"], job_ended=req.get("job_ended", True)).to_dict()
         fr = None
         if req.get("fr_dir"):
             fr = analyze_flight_recorder(req["fr_dir"], within=self.cfg.allowed_roots).to_dict()
@@ -231,7 +235,8 @@ class AnalysisService:
     def _post(self, rec: dict[str, Any], result: dict[str, Any]) -> None:
         record = {"id": rec["id"], "job_id": rec["job_id"], "cycle": rec["cycle"],
                   "decision": result.get("decision"), "reason": result.get("reason"),
-                  "result": result.get("analysis"), "flight_recorder": result.get("flight_recorder")}
+                  "result": result.get("analysis"),
+                  "flight_recorder": result.get("flight_recorder")}
         for poster in self.cfg.posters:
             try:
                 ok = poster.post(record)

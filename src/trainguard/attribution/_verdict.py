@@ -41,14 +41,14 @@ def _select(state: ScanState, reg: Registry, job_ended: bool) -> tuple[str, list
     if decisive:
         top = max(m.pattern.tier for m in decisive)
         m = min((m for m in decisive if m.pattern.tier == top), key=lambda m: m.order)
-        return m.pattern.category, [m], "earliest root candidate of the highest tier"
+        return m.pattern.category or "unknown", [m], "earliest root candidate of the highest tier"
     done = _first(state, {"completion"})
     if done:
         return "completed", done, "the run reports normal completion and nothing failed"
     weak = _first(state, {"root", "confirmation", "cascade"})
     if weak:
         m = min(weak, key=lambda m: m.order)
-        return m.pattern.category, [m], "no deeper cause; earliest failure symptom"
+        return m.pattern.category or "unknown", [m], "no deeper cause; earliest failure symptom"
     exits = _first(state, {"exit"})
     if exits:
         m = min(exits, key=lambda m: m.order)
@@ -62,7 +62,8 @@ def _select(state: ScanState, reg: Registry, job_ended: bool) -> tuple[str, list
 def _primary_ids(state: ScanState, category: str, chosen: list[Match]) -> list[str]:
     if chosen and chosen[0].pattern.role in ("exit", "completion"):
         return [chosen[0].pattern.id]
-    roles = {"root", "confirmation"} if chosen and chosen[0].pattern.role != "cascade" else {"cascade"}
+    cascade_only = not chosen or chosen[0].pattern.role == "cascade"
+    roles = {"cascade"} if cascade_only else {"root", "confirmation"}
     return [pid for pid, ms in state.matches.items()
             if ms and ms[0].pattern.category == category and ms[0].pattern.role in roles]
 
@@ -100,7 +101,7 @@ def _cascades(state: ScanState, primary: str, culprits: list[int] | None) -> lis
             continue
         if culprits and not ranks_of(state, [pid]) - set(culprits):
             continue
-        cat = ms[0].pattern.category
+        cat = ms[0].pattern.category or "unknown"
         c = out.setdefault(cat, Cascade(cat, 0, set(), set(), ms[0]))
         c.count += state.counts[pid]
         c.ranks |= ranks_of(state, [pid])
@@ -130,6 +131,7 @@ def _confidence(chosen: list[Match], category: str, ids: list[str]) -> int:
 def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> AnalysisResult:
     """Turn a finished scan into an :class:`AnalysisResult` (decision from category policy)."""
     unreadable = bool(state.non_text) and len(state.non_text) == state.nonempty
+    chosen: list[Match]
     if unreadable:  # matches in binary data are noise; nothing can be attributed
         category, chosen, basis = "unknown", [], _UNREADABLE
     else:

@@ -103,7 +103,8 @@ def flatten(obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
             found.append((path, value))
             return TensorRef(len(found) - 1)
         if type(value) in (dict, OrderedDict):
-            return type(value)((k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
+            return type(value)(
+                (k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
         if type(value) in (list, tuple):
             return type(value)(walk(v, f"{path}[{i}]") for i, v in enumerate(value))
         return value
@@ -137,8 +138,8 @@ def pickle_skeleton(skeleton: Any) -> bytes:
             except Exception as leaf_exc:
                 raise StateDictError(
                     f"state value at key {path or '<root>'!r} ({type(leaf).__name__}) cannot be "
-                    f"pickled: {leaf_exc}. Convert it to plain data or a tensor, or drop it from the "
-                    "state dict before saving."
+                    f"pickled: {leaf_exc}. Convert it to plain data or a tensor, or drop it from "
+                    "the state dict before saving."
                 ) from leaf_exc
         raise StateDictError(f"state cannot be pickled: {exc}") from exc
 

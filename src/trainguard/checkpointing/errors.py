@@ -3,7 +3,8 @@
 ::
 
     CheckpointError
-     ├── CheckpointWriteError            a save failed on >= 1 rank; the previous checkpoint is intact
+     ├── CheckpointWriteError            a save failed on >= 1 rank; the previous checkpoint
+     │                                   is intact
      │    └── CheckpointWorkerError      the async worker died or got stuck (rank, pid, phase)
      ├── CheckpointTimeout (+TimeoutError)  a bounded checkpoint wait ran out
      ├── CheckpointNotFoundError         no committed (and valid) checkpoint exists

@@ -128,14 +128,21 @@ class _LocalAtomicFile(AtomicFile):
         self.tmp = os.path.join(os.path.dirname(path), _tmp_name(os.path.basename(path)))
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
+    def _open_fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"{self.tmp}: already committed or aborted")
+        return self.fd
+
     def _write(self, view: memoryview) -> None:
+        fd = self._open_fd()
         while view.nbytes:
-            n = os.write(self.fd, view[: 1 << 30])
+            n = os.write(fd, view[: 1 << 30])
             view = view[n:]
 
     def commit(self) -> tuple[int, str]:
-        os.fsync(self.fd)
-        os.close(self.fd)
+        fd = self._open_fd()
+        os.fsync(fd)
+        os.close(fd)
         self.fd = None
         os.replace(self.tmp, self.path)
         fsync_dir(os.path.dirname(self.path))
@@ -272,7 +279,8 @@ class FsspecStorage(Storage):
 
     def listdir(self, rel: str) -> list[str]:
         try:
-            return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self._p(rel), detail=False)]
+            entries = self.fs.ls(self._p(rel), detail=False)
+            return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
         except (FileNotFoundError, NotADirectoryError):
             return []
 

@@ -27,7 +27,8 @@ _log = get_logger("trainguard.inprocess")
 class Abort(abc.ABC):
     """Base class of abort hooks: ``hook(state) -> state``.
 
-    Runs in the monitor thread of every rank when a restart begins, to unblock the main thread (tear down process groups, kill helper processes). Errors are logged, never raised.
+    Runs in the monitor thread of every rank when a restart begins, to unblock the main thread
+    (tear down process groups, kill helper processes). Errors are logged, never raised.
     """
 
     @abc.abstractmethod

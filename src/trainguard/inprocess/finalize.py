@@ -1,6 +1,7 @@
 """``Finalize`` hook base class.
 
-Runs in the main thread after a fault, before the restart health check. An Exception takes this rank out (it cannot be trusted to restart).
+Runs in the main thread after a fault, before the restart health check. An Exception takes this
+rank out (it cannot be trusted to restart).
 
 Follows: NVRx ``inprocess.finalize`` (a hook takes a FrozenState and returns it).
 """
@@ -25,7 +26,8 @@ __all__ = ["Finalize", "ThreadedFinalize"]
 class Finalize(abc.ABC):
     """Base class of finalize hooks: ``hook(state) -> state``.
 
-    Runs in the main thread after a fault, before the restart health check. An Exception takes this rank out (it cannot be trusted to restart).
+    Runs in the main thread after a fault, before the restart health check. An Exception takes
+    this rank out (it cannot be trusted to restart).
     """
 
     @abc.abstractmethod

@@ -17,7 +17,8 @@ __all__ = ["Terminate"]
 class Terminate(abc.ABC):
     """Base class of terminate hooks: ``hook(state) -> state``.
 
-    Runs when this rank leaves the restart loop through a BaseException (terminal). Errors propagate.
+    Runs when this rank leaves the restart loop through a BaseException (terminal). Errors
+    propagate.
     """
 
     @abc.abstractmethod

@@ -59,7 +59,8 @@ def error_record(exc: BaseException, transport: bool = False) -> bytes:
 
 
 def child_main(spec: ChildSpec, inbox: Any, outbox: Any, death: Any) -> None:
-    """Entry point of a rank process; exits with 0 after SHUTDOWN or parent exit, 1 on load error."""
+    """Entry point of a rank process; exits with 0 after SHUTDOWN or parent exit, 1 on load
+    error."""
     os.setpgid(0, 0)  # own group: a terminal Ctrl-C reaches the parent only
     signal.signal(signal.SIGINT, signal.default_int_handler)  # parent spawned us with SIG_IGN
     faulthandler.enable()

@@ -106,7 +106,8 @@ class DistributedRunner:
         self._call_timeout_s = check.check_timeout(call_timeout, "call_timeout")
         self._start_timeout_s = check.check_timeout(start_timeout, "start_timeout")
         check.check_options(transfer, shm_bytes)
-        self._init_pg, self._transfer, self._shm_bytes = bool(init_process_group), transfer, shm_bytes
+        self._init_pg = bool(init_process_group)
+        self._transfer, self._shm_bytes = transfer, shm_bytes
         self._state = "new"  # new -> starting -> started -> closed
         self._broken: str | None = None
         self._procs: list[Any] = []
@@ -294,7 +295,7 @@ class DistributedRunner:
         except BaseException as exc:
             self._broken = self._broken or f"{what}() failed: {type(exc).__name__}"
             raise
-        self._sender.release_name()  # type: ignore[union-attr] - every rank has mapped it
+        self._sender.release_name()  # type: ignore[union-attr]  # every rank has mapped it
         return self._resolve(replies)
 
     def _broadcast(self, kind: int, body: bytes, what: str, first: int = 0) -> None:

@@ -7,7 +7,8 @@
           ├── RankDesync (+ RuntimeError)              ranks disagreed: runner unusable
           ├── WorkerCrashed (+ RuntimeError)           a rank died without answering: unusable
           ├── WorkerTimeout (+ TrainguardTimeout)      a TimeoutError: unusable
-          └── SharedSlotAllocationFailed (+ MemoryError)  raised inside the call; runner stays usable
+          └── SharedSlotAllocationFailed (+ MemoryError)  raised inside the call; runner stays
+                                                          usable
 
 A worker's own exception is re-raised unchanged when every rank raised the same type; it is not
 wrapped in any of these.

@@ -79,7 +79,9 @@ class LeakChecker:
             time.sleep(0.05)
         for proc in leaked:
             try:
-                problems.append(f"leaked child process pid={proc.pid}: {' '.join(proc.cmdline())[:200]}")
+                problems.append(
+                    f"leaked child process pid={proc.pid}: {' '.join(proc.cmdline())[:200]}"
+                )
                 proc.kill()
             except psutil.Error:
                 pass

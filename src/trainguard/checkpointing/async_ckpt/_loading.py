@@ -41,7 +41,8 @@ class LoadMixin:
         steps = list(reversed(self.manager.committed_steps())) if self.rank == 0 else []  # type: ignore[union-attr]
         if self.use_dist:
             box = [steps]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0),
+                                       group=self._group)
             steps = box[0]
         return steps
 

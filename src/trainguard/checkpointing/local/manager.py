@@ -8,8 +8,8 @@ Collectives (every rank calls them together): the constructor, ``find_latest``, 
 (``is_async=False``), ``maybe_finalize`` and ``load``.
 
 Follows: NVRx ``LocalCheckpointManager``; differences: fsync + checksums, CPU tensors, async
-replication in a background thread (off the training thread), no 7-digit iteration limit, recovery of
-a lost shard over gloo (no CUDA needed).
+replication in a background thread (off the training thread), no 7-digit iteration limit,
+recovery of a lost shard over gloo (no CUDA needed).
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ class LocalCheckpointManager:
 
         Blocks for staging (a memcpy); with ``is_async`` the write (writer process) and the
         replication (background thread) proceed while training runs; call :meth:`maybe_finalize`
-        every step (or ``blocking=True``) to complete them. A previous unfinalized save is finalized first.
+        every step (or ``blocking=True``) to complete them. A previous unfinalized save is
+        finalized first.
 
         Raises:
             ConfigError: iteration not newer than the latest found.

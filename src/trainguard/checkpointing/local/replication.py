@@ -70,7 +70,7 @@ def exchange_files(header: bytes, path: str, group: Any, group_size: int
     dist.all_gather(sizes, mine_sizes, group=group)
     longest = max(int(s.sum().item()) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    view = memoryview(mine.numpy())
+    view = memoryview(mine.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
     view[: len(header)] = header
     with open(path, "rb") as f:
         if f.readinto(view[len(header) : len(header) + size]) != size:
@@ -80,7 +80,7 @@ def exchange_files(header: bytes, path: str, group: Any, group_size: int
     out = []
     for b, s in zip(bufs, sizes):
         h, n = int(s[0].item()), int(s[1].item())
-        raw = memoryview(b.numpy())
+        raw = memoryview(b.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
         out.append((bytes(raw[:h]), raw[h : h + n]))
     return out
 

@@ -84,13 +84,21 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def __init__(self, state_dict: Any, devices: list[str] | None = None) -> None:
         self._state = state_dict
         found: list[str] = []
-        _walk(state_dict, lambda t: found.append(str(t.device)) or t)
+        def note_device(t: torch.Tensor) -> torch.Tensor:
+            found.append(str(t.device))
+            return t
+
+        _walk(state_dict, note_device)
         self._devices = list(devices) if devices is not None else found
 
     @property
     def is_hollow(self) -> bool:
         hollow = []
-        _walk(self._state, lambda v: hollow.append(isinstance(v, TensorPlaceholder)) or v)
+        def note(v: Any) -> Any:
+            hollow.append(isinstance(v, TensorPlaceholder))
+            return v
+
+        _walk(self._state, note)
         return any(hollow)
 
     def pop_tensors(self) -> list[torch.Tensor]:
@@ -107,7 +115,8 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def insert_tensors(self, tensors: list[torch.Tensor]) -> None:
         it = iter(tensors)
-        self._state = _walk(self._state, lambda v: next(it) if isinstance(v, TensorPlaceholder) else v)
+        self._state = _walk(self._state,
+                            lambda v: next(it) if isinstance(v, TensorPlaceholder) else v)
 
     def init_tensors(self) -> None:
         self._state = _walk(self._state, lambda v: torch.empty(v.shape, dtype=v.dtype)
