@@ -21,7 +21,7 @@ from functools import lru_cache
 try:  # optional accelerator: multi-substring search in one pass (Rust Aho-Corasick)
     import ahocorasick_rs as _ac
 except ImportError:  # pragma: no cover - the bytes.find fallback gives identical results
-    _ac = None
+    _ac = None  # type: ignore[assignment]
 
 from trainguard.attribution._context import LineContext, parse_prefix, severity
 from trainguard.attribution._registry import Pattern, Registry

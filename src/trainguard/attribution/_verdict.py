@@ -91,8 +91,8 @@ def _select(state: ScanState, ev: _Evidence,
     if strong:
         top = max(s for s, _ in strong)
         m = min((m for s, m in strong if s == top), key=lambda m: m.order)
-        return m.pattern.category or "unknown", [m], "strongest evidence (root cause tied to " \
-            "the failure), earliest on ties"
+        basis = "strongest evidence (severity, row strength, tie to a failed exit), earliest"
+        return m.pattern.category or "unknown", [m], basis
     done = [m for m in _all(state, {"completion"})
             if not any(e.order > m.order for e in ev.failed)]
     if done:
@@ -197,6 +197,7 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     res = resolve(state)
     failed = [e for e in state.exits if e.code not in _TEARDOWN_CODES]
     unreadable = bool(state.non_text) and len(state.non_text) == state.nonempty
+    chosen: list[Match]
     if unreadable:  # matches in binary data are noise; nothing can be attributed
         category, chosen, basis = "unknown", [], _UNREADABLE
     else:
