@@ -95,6 +95,7 @@ class ScanState:
     lines: int = 0
     warnings: list[str] = field(default_factory=list)
     non_text: list[str] = field(default_factory=list)  # files that do not look like text logs
+    flagged: list[str] = field(default_factory=list)  # inputs not read: binary, unreadable
     nonempty: int = 0
     matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -396,17 +397,30 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
 def scan_files(paths: list[str], reg: Registry) -> ScanState:
     """Scan ``paths`` in order and return the accumulated :class:`ScanState`.
 
+    An input that cannot be read as a text log (missing, unreadable, a directory, binary) is
+    skipped with a warning and listed in ``ScanState.flagged`` when another input could be read.
+
     Raises:
-        LogInputError: no paths, a path is missing/unreadable/a directory, a log is binary, or
-            every log is empty.
+        LogInputError: no paths, or no input could be read (each missing, unreadable, a
+            directory, binary or empty); the message names every one.
     """
     if not paths:
         raise LogInputError("no log files given; pass at least one path")
     state = ScanState(files=[str(p) for p in paths])
+    errors: list[LogInputError] = []
     for i, path in enumerate(state.files):
-        if os.path.isdir(path):
-            raise LogInputError(f"{path!r} is a directory; pass the log files inside it")
-        _scan_file(path, i, reg, state)
+        try:
+            if os.path.isdir(path):
+                raise LogInputError(f"{path!r} is a directory; pass the log files inside it")
+            _scan_file(path, i, reg, state)
+        except LogInputError as exc:  # one bad input must not lose the others' analysis
+            errors.append(exc)
+            state.flagged.append(path)
+            state.warnings.append(f"{path}: not analysed: {exc}")
     if state.bytes_read == 0:
+        if len(errors) == 1 and len(state.files) == 1:
+            raise errors[0]
+        if errors:
+            raise LogInputError("no input could be analysed: " + "; ".join(map(str, errors)))
         raise LogInputError(f"every log is empty ({', '.join(state.files)}); nothing to analyse")
     return state

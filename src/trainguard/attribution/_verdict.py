@@ -210,6 +210,12 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
+    flagged = list(state.flagged) + [f for f in state.non_text if f not in state.flagged]
+    if flagged and not unreadable:  # README: input that is not a text log gets STOP
+        decision = "STOP"
+        basis += (f"; STOP because {len(flagged)} input(s) could not be read as a text log "
+                  f"({', '.join(flagged)}): no automatic decision rests on partly unreadable "
+                  "input -- remove or replace them and analyse again")
     cascades = _cascades(state, res, category, ranks)
     return AnalysisResult(
         primary_category=category, failure_domain=domain, culprit_ranks=ranks,
@@ -221,5 +227,5 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
         last_step=state.last_progress[1] if state.last_progress else None,
         last_checkpoint_step=state.last_checkpoint[1] if state.last_checkpoint else None,
         checkpoint_saved=state.last_checkpoint is not None,
-        files=list(state.files), warnings=list(state.warnings),
+        files=list(state.files), warnings=list(state.warnings), flagged_inputs=flagged,
         bytes_read=state.bytes_read, lines=state.lines)
