@@ -38,9 +38,14 @@ class Resolution:
     failed_ranks: set[int] = field(default_factory=set)  # ranks whose own process failed
     failed_pids: set[int] = field(default_factory=set)
     world: int | None = None  # world size, or a lower bound from the ranks seen
+    by_printer: dict[tuple[LineContext, tuple[tuple[str, str], ...]], int | None] = field(
+        default_factory=dict)  # (context, groups) -> global rank, resolved once
 
     def match_rank(self, m: Match, state: ScanState) -> int | None:
-        return _rank(m.ctx, dict(m.groups), state)
+        key = (m.ctx, m.groups)
+        if key not in self.by_printer:  # beyond the scan's per-pattern key cap only
+            self.by_printer[key] = _rank(m.ctx, dict(m.groups), state)
+        return self.by_printer[key]
 
     def ranks_of(self, ids: list[str]) -> set[int]:
         return set().union(*(self.ranks.get(i, set()) for i in ids)) if ids else set()
@@ -121,7 +126,7 @@ def resolve(state: ScanState) -> Resolution:
         nodes: set[str] = set()
         for ctx, groups in who:
             g = dict(groups)
-            r = _rank(ctx, g, state)
+            r = res.by_printer[(ctx, groups)] = _rank(ctx, g, state)
             if r is not None:
                 ranks.add(r)
             nodes |= _nodes(ctx, g, state)
