@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "attribution.py"
-KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "decision_accuracy"]
+KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "decision_accuracy",
+        "dev_set_category_accuracy", "dev_set_decision_accuracy", "test_set_category_accuracy",
+        "test_set_decision_accuracy", "fresh_set_category_accuracy", "fresh_set_decision_accuracy"]
 
 
 @pytest.mark.timeout(120)
@@ -29,3 +31,6 @@ def test_bench_attribution_smoke():
         assert figures[key] > 0, key
     assert figures["generated_log_correct"] and figures["fr_all_faulty_named"]
     assert figures["category_accuracy"] >= 0.9 and figures["decision_accuracy"] >= 0.9
+    assert figures["test_set_category_accuracy"] >= 0.9, figures
+    assert figures["test_set_decision_accuracy"] >= 0.9, figures
+    assert figures["test_set_size"] >= 30 and figures["dev_set_size"] >= 30

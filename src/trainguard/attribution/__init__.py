@@ -1,5 +1,7 @@
 """Failure attribution: what failed, where, whose fault, and whether a restart can help.
 
+* :func:`analyze` - the one pipeline (logs and/or flight-recorder dumps -> decision record) used
+  by ``trainguard analyze``, the service and the launcher.
 * :func:`analyze_logs` - streaming, registry-driven log analysis (``patterns/default.yaml``).
 * :func:`analyze_flight_recorder` - PyTorch flight-recorder dumps, loaded without running code.
 * :func:`decide` / :class:`RestartPolicy` - the restart agent (history, retry budget).
@@ -11,6 +13,7 @@ from trainguard.attribution._agent import AgentDecision, RestartPolicy, decide, 
 from trainguard.attribution._analyze import analyze_logs
 from trainguard.attribution._client import AttributionClient
 from trainguard.attribution._flight_recorder import FlightRecorderReport, analyze_flight_recorder
+from trainguard.attribution._pipeline import JOB_ENDED_DEFAULT, analyze
 from trainguard.attribution._posting import JsonlPoster, SlackPoster, WebhookPoster
 from trainguard.attribution._registry import CATEGORIES, load_registry
 from trainguard.attribution._result import AnalysisResult, Cascade, Evidence
@@ -41,6 +44,7 @@ __all__ = [
     "Evidence",
     "FlightRecorderError",
     "FlightRecorderReport",
+    "JOB_ENDED_DEFAULT",
     "JsonlPoster",
     "LogInputError",
     "RestartPolicy",
@@ -49,6 +53,7 @@ __all__ = [
     "ServiceError",
     "SlackPoster",
     "WebhookPoster",
+    "analyze",
     "analyze_flight_recorder",
     "analyze_logs",
     "create_app",

@@ -10,6 +10,7 @@ from typing import Any
 __all__ = ["register"]
 
 _EXIT_BAD_INPUT = 2
+_EXIT_OUTPUT = 74  # EX_IOERR: the result could not be written
 
 
 def register(subparsers) -> list[str]:
@@ -71,57 +72,21 @@ def register(subparsers) -> list[str]:
 
 def _run_analysis(args) -> dict[str, Any]:
     from trainguard.attribution._agent import RestartPolicy, load_history
+    from trainguard.attribution._pipeline import analyze
 
     if not args.logs and not args.fr_dir:
         raise ValueError("give at least one LOG file or --fr-dir")
     history = load_history(args.history) if args.history else []
-    policy = RestartPolicy(same_root_limit=args.same_root_limit)
-    out = _log_verdict(args, history, policy) if args.logs else {}
-    if args.fr_dir:
-        _add_flight_recorder(args, out, history, policy)
+    out = analyze(args.logs, fr_dir=args.fr_dir, history=history,
+                  policy=RestartPolicy(same_root_limit=args.same_root_limit),
+                  registry_path=args.registry_replace or args.registry,
+                  replace_registry=bool(args.registry_replace), job_ended=args.ended)
     if args.logs and args.llm_url:
         from trainguard.attribution._llm import LlmExplainer
 
         out["llm"] = LlmExplainer(args.llm_url, args.llm_model,
                                   os.environ.get("TRAINGUARD_LLM_API_KEY")).explain(out)
     return out
-
-
-def _log_verdict(args, history, policy) -> dict[str, Any]:
-    from trainguard.attribution._agent import decide
-    from trainguard.attribution._analyze import analyze_logs
-
-    path = args.registry_replace or args.registry
-    out = analyze_logs(args.logs, registry_path=path, replace_registry=bool(args.registry_replace),
-                       job_ended=args.ended).to_dict()
-    verdict = decide(out, history, policy)
-    out["category_decision"] = out["decision"]
-    out["decision"], out["reason"] = verdict.decision, verdict.reason
-    out["agent"] = verdict.to_dict()
-    return out
-
-
-def _add_flight_recorder(args, out: dict[str, Any], history, policy) -> None:
-    from trainguard.attribution._agent import NO_FR_DECISION, decide, flight_recorder_record
-    from trainguard.attribution._flight_recorder import analyze_flight_recorder
-    from trainguard.attribution._registry import load_registry
-
-    fr = out["flight_recorder"] = analyze_flight_recorder(args.fr_dir).to_dict()
-    if not args.logs:
-        path = args.registry_replace or args.registry
-        reg = load_registry(path, replace=bool(args.registry_replace))
-        record = flight_recorder_record(fr, reg.categories["collective_timeout"].decision)
-        if record is None:
-            out["decision"], out["reason"], out["agent"] = None, NO_FR_DECISION, None
-            return
-        verdict = decide(record, history, policy)
-        out.update(record, category_decision=record["decision"], agent=verdict.to_dict())
-        out["decision"], out["reason"] = verdict.decision, verdict.reason
-    elif out.get("primary_category") == "collective_timeout" and not out["culprit_ranks"] \
-            and fr["faulty_ranks"]:
-        # the log cannot say who hung; the dumps can
-        out["culprit_ranks"] = fr["faulty_ranks"]
-        out["reason"] += f" Flight recorder: ranks {fr['faulty_ranks']} are stuck."
 
 
 def _analyze(args) -> int:
@@ -132,11 +97,28 @@ def _analyze(args) -> int:
     except (TrainguardError, ValueError) as exc:
         print(f"trainguard analyze: error: {exc}", file=sys.stderr)
         return _EXIT_BAD_INPUT
-    if args.json:
-        print(json.dumps(out, sort_keys=True))
-    else:
-        _print_report(out)
+    try:
+        if args.json:
+            sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
+        else:
+            _print_report(out)
+        sys.stdout.flush()
+    except OSError as exc:  # a full disk, a closed pipe: one line, not a traceback
+        _silence_stdout()
+        print(f"trainguard analyze: error: cannot write the result to standard output: "
+              f"{exc.strerror or exc}; write it to a device with free space", file=sys.stderr)
+        return _EXIT_OUTPUT
     return 0
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's final flush cannot fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _print_report(out: dict[str, Any]) -> None:

@@ -1,8 +1,16 @@
-"""Launcher line prefixes: who printed a line (srun task, rank, node, NCCL host:pid).
+"""Launcher line prefixes: who printed a line, and at which severity.
 
-Recognised prefixes, outermost first: ``srun -l`` task (``3: ``), node (``[node-01] ``),
-torchrun ``[rank3]:`` / ``--tee`` ``[default3]:``, NCCL ``host:pid:tid [dev] ``, and syslog/dmesg
-``Mon DD HH:MM:SS host kernel:``. The body left after stripping is what patterns see.
+Recognised prefixes, outermost first (each optional; several may stack):
+
+* a syslog/journal date or an mpirun ``--timestamp-output`` date;
+* ``srun -l`` task (``3: ``), mpirun ``--tag-output`` (``[1,30]<stderr>:``), pdsh/DeepSpeed
+  multi-node host (``10.0.0.2: `` or ``node-01: ``), node (``[node-01] ``), Ray
+  (``(RayTrainWorker pid=12, ip=10.0.0.3) ``);
+* torchrun ``[rank3]:`` / ``--tee`` ``[default3]:``, Lightning ``[rank: 3]``;
+* NCCL ``host:pid:tid [dev] ``, syslog/dmesg ``Mon DD HH:MM:SS host kernel:``.
+
+The body left after stripping is what patterns see. A rank named inside the body
+(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one.
 """
 
 from __future__ import annotations
@@ -10,17 +18,26 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LineContext", "parse_prefix"]
+__all__ = ["LineContext", "parse_prefix", "severity"]
 
 _SRUN = re.compile(r"^\s{0,3}(\d{1,6}): ")
+_MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d+)\]<std\w+>:\s?")
+_PDSH = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z][\w-]*\d[\w-]*): (?=\S)")
 _NODE = re.compile(r"^\[([A-Za-z][\w.-]*\d[\w.-]*)\]:?\s")
+_RAY = re.compile(r"^\((?:[\w.:-]+ )?pid=(\d+)(?:, ip=([\d.]+))?\)\s?")
 _RANK = re.compile(r"^\[rank(\d+)\]:\s?")
 _TEE = re.compile(r"^\[default(\d+)\]:\s?")
+_PL_RANK = re.compile(r"^\[rank: (\d+)\]\s")
 _NCCL = re.compile(r"^([A-Za-z][\w.-]*):(\d+):(\d+) \[(\d+)\] ")
 _SYSLOG = re.compile(
     r"^(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+|\d{4}-\d\d-\d\dT\S+)\s+([\w.-]+)\s+kernel:\s*(?:\[\s*[\d.]+\]\s*)?")
 _INLINE_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d+)\]")
 _NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug)\d*$", re.IGNORECASE)
+_SEVERITY = re.compile(r"(?:^|[\s\[|(])(INFO|WARNING|WARN|DEBUG|ERROR|CRITICAL)(?=[\]|:\s])")
+_GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ ")
+_NCCL_SEV = re.compile(r"\bNCCL (INFO|WARN)\b")
+_WEAK = {"INFO": "info", "DEBUG": "info", "I": "info", "WARNING": "warning", "WARN": "warning",
+         "W": "warning"}
 
 
 @dataclass(frozen=True)
@@ -34,17 +51,34 @@ class LineContext:
     pid: int | None = None
 
 
-def parse_prefix(text: str) -> tuple[LineContext, str]:
-    """Split ``text`` into its :class:`LineContext` and the body patterns match against."""
-    task = rank = local = pid = None
+def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, str]:
+    """Strip the launcher prefixes (srun, mpirun, pdsh, node, Ray); (task, rank, node, pid)."""
+    task = rank = pid = None
     node = None
+    m = _MPI.match(text)
+    if m:
+        rank, text = int(m.group(1)), text[m.end():]
     m = _SRUN.match(text)
     if m:
         task, text = int(m.group(1)), text[m.end():]
+    m = _PDSH.match(text)
+    if m and not _NOT_HOSTS.match(m.group(1)):
+        node, text = m.group(1), text[m.end():]
     m = _NODE.match(text)
     if m and not _NOT_HOSTS.match(m.group(1)):
         node, text = m.group(1), text[m.end():]
-    m = _RANK.match(text)
+    m = _RAY.match(text)
+    if m:
+        pid, text = int(m.group(1)), text[m.end():]
+        node = m.group(2) or node
+    return task, rank, node, pid, text
+
+
+def parse_prefix(text: str) -> tuple[LineContext, str]:
+    """Split ``text`` into its :class:`LineContext` and the body patterns match against."""
+    task, rank, node, pid, text = _outer(text)
+    local = None
+    m = _RANK.match(text) or _PL_RANK.match(text)
     if m:
         rank, text = int(m.group(1)), text[m.end():]
     else:
@@ -63,3 +97,22 @@ def parse_prefix(text: str) -> tuple[LineContext, str]:
         if m:
             rank = int(m.group(1))
     return LineContext(task, rank, local, node, pid), text
+
+
+def severity(body: str) -> str:
+    """``info``, ``warning`` or ``other`` from a line's own level marker (after its prefixes).
+
+    Reads the common level markers: ``[INFO]`` (DeepSpeed, HF), glog ``I0101``/``W0101``,
+    ``[I file:1]``, ``| INFO |`` (fairseq, loguru) and NCCL ``INFO``/``WARN``. A line without a
+    marker (a traceback, an exception) is ``other``.
+    """
+    m = _GLOG.match(body)
+    if m:
+        return _WEAK.get(m.group(1), "other")
+    m = _SEVERITY.search(body[:48])
+    if m:
+        return _WEAK.get(m.group(1), "other")
+    m = _NCCL_SEV.search(body)
+    if m:
+        return _WEAK[m.group(1)]
+    return "other"

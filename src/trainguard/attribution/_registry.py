@@ -27,7 +27,7 @@ CATEGORIES = (
     "completed", "in_progress", "unknown",
 )
 _ROLES = {"root", "confirmation", "cascade", "exit", "benign", "teardown", "diagnostic",
-          "identity", "checkpoint", "completion"}
+          "identity", "checkpoint", "completion", "launcher"}
 _DOMAINS = {"workload", "infrastructure", "unknown", "none"}
 _DECISIONS = {"RESTART", "RESTART_EXCLUDE_NODES", "STOP", "CONTINUE"}
 
@@ -54,6 +54,7 @@ class Pattern:
     priority: int
     triggers: tuple[str, ...]
     regex: re.Pattern[str]
+    domain: str | None = None  # overrides the category's domain when this row is the primary
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,11 @@ def _compile_pattern(row: dict, path: str, categories: dict[str, Category]) -> P
         raise _bad(path, f"pattern {pid!r} has no valid regex: {exc}") from exc
     tier = int(row.get("tier", 0))
     default_priority = 25 if role == "cascade" else tier
+    domain = row.get("domain")
+    if domain is not None and domain not in _DOMAINS:
+        raise _bad(path, f"pattern {pid!r} has domain {domain!r}; use one of {sorted(_DOMAINS)}")
     return Pattern(pid, role, category, tier, int(row.get("priority", default_priority)),
-                   triggers, regex)
+                   triggers, regex, domain)
 
 
 def _load_categories(doc: dict, path: str) -> dict[str, Category]:

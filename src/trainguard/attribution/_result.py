@@ -73,6 +73,7 @@ class AnalysisResult:
     lines: int = 0
     reason: str = ""
     flight_recorder: dict[str, Any] | None = None
+    flagged_inputs: list[str] = field(default_factory=list)  # inputs not read as text logs
 
     def __post_init__(self) -> None:
         if not self.reason:
@@ -113,6 +114,7 @@ class AnalysisResult:
             "progress": {"last_step": self.last_step, "checkpoint_saved": self.checkpoint_saved,
                          "last_checkpoint_step": self.last_checkpoint_step},
             "files": self.files, "warnings": self.warnings,
+            "flagged_inputs": self.flagged_inputs,
             "bytes_read": self.bytes_read, "lines": self.lines,
         }
         if self.flight_recorder is not None:

@@ -23,11 +23,11 @@ try:  # optional accelerator: multi-substring search in one pass (Rust Aho-Coras
 except ImportError:  # pragma: no cover - the bytes.find fallback gives identical results
     _ac = None  # type: ignore[assignment]
 
-from trainguard.attribution._context import LineContext, parse_prefix
+from trainguard.attribution._context import LineContext, parse_prefix, severity
 from trainguard.attribution._registry import Pattern, Registry
 from trainguard.attribution.errors import LogInputError
 
-__all__ = ["Match", "ScanState", "scan_files"]
+__all__ = ["ExitEvent", "Match", "ScanState", "scan_files"]
 
 _CHUNK = 1 << 20
 _MAX_LINE = 1 << 16  # longer lines are split; their tail is matched as its own line
@@ -35,7 +35,12 @@ _KEEP = 64
 _TAIL = 1 << 16
 _MAX_KEYS = 4096
 _TEXT = 400
-_FAILURE_ROLES = {"root", "confirmation", "cascade", "exit", "diagnostic"}
+_FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
+_MAX_EXITS = 256
+#: signal names and launcher words for a process killed by a signal -> the negative exit code
+_SIGNALS = {"SIGKILL": -9, "KILLED": -9, "OUT OF MEMORY": -9, "SIGSEGV": -11,
+            "SEGMENTATION FAULT": -11, "SIGABRT": -6, "ABORTED": -6, "SIGBUS": -7,
+            "BUS ERROR": -7, "SIGILL": -4, "ILLEGAL INSTRUCTION": -4, "SIGTERM": -15}
 _SNIFF = 1 << 16  # bytes of each file judged for text-likeness
 _MAX_JUNK = 0.10  # above this fraction of undecodable/control characters a file is not text
 _TEXT_CONTROLS = frozenset("\t\n\r\f\v\b\x1b")  # tabs, progress bars, ANSI colours
@@ -51,6 +56,7 @@ class Match:
     text: str
     ctx: LineContext
     groups: tuple[tuple[str, str], ...]
+    level: str = "other"  # the line's own severity marker: info, warning or other
 
     @property
     def order(self) -> tuple[int, int]:
@@ -58,6 +64,26 @@ class Match:
 
     def group(self, prefix: str) -> list[str]:
         return [v for k, v in self.groups if k.startswith(prefix)]
+
+
+@dataclass(frozen=True)
+class ExitEvent:
+    """A launcher's report that one process (or several) ended, normalised across launchers.
+
+    ``code`` is the exit code, or ``-N`` for death by signal N. ``rank`` is set only where the
+    launcher names the failed process itself (torchrun's failure record, mpirun, ``mp.spawn``),
+    never from launchers that always print the last spawned rank (DeepSpeed, torch 1.x
+    ``launch.py``); ``task`` is an srun task number, ``pid``/``local_rank`` torchrun's.
+    """
+
+    order: tuple[int, int]
+    code: int
+    source: str
+    rank: int | None = None
+    task: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    node: str | None = None
 
 
 @dataclass
@@ -69,6 +95,7 @@ class ScanState:
     lines: int = 0
     warnings: list[str] = field(default_factory=list)
     non_text: list[str] = field(default_factory=list)  # files that do not look like text logs
+    flagged: list[str] = field(default_factory=list)  # inputs not read: binary, unreadable
     nonempty: int = 0
     matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -80,6 +107,10 @@ class ScanState:
     ip_host: dict[str, str] = field(default_factory=dict)
     world_size: int | None = None
     exit_records: list[tuple[int, str | None, int]] = field(default_factory=list)
+    exits: list[ExitEvent] = field(default_factory=list)
+    pid_global: dict[int, int] = field(default_factory=dict)  # pid -> global rank (torchrun)
+    ranks_seen: set[int] = field(default_factory=set)
+    per_node_launcher: bool = False  # torchrun/DeepSpeed/accelerate ran one agent per node
     enqueued: dict[int, int] = field(default_factory=dict)
     first_progress: tuple | None = None
     last_progress: tuple | None = None
@@ -145,7 +176,14 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
         if state._record_host:
             state.rank_host.setdefault(state._record_rank, state._record_host)
     if "record_exit" in g and state._record_rank is not None:
-        state.exit_records.append((state._record_rank, state._record_host, int(g["record_exit"])))
+        code, rank = int(g["record_exit"]), state._record_rank
+        state.exit_records.append((rank, state._record_host, code))
+        pid = int(g["record_pid"]) if "record_pid" in g else None
+        if pid is not None:
+            state.pid_global.setdefault(pid, rank)
+        if code != 0 and len(state.exits) < _MAX_EXITS:
+            state.exits.append(ExitEvent(pos[0], code, pat.id, rank=rank, pid=pid,
+                                         node=state._record_host))
         state._record_rank = None
     if "rank" in g:
         _rank_fact(int(g["rank"]), g, ctx, state)
@@ -174,6 +212,7 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
     ctx, body = parse_prefix(text)
     low = body.lower()
     best: tuple[Pattern, dict] | None = None
+    best_exit: tuple[Pattern, dict] | None = None
     quiet = False
     for pat in reg.patterns:
         if not any(t in low for t in pat.triggers):
@@ -183,19 +222,57 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             continue
         if pat.role in ("benign", "teardown"):
             quiet = True
+        elif pat.role == "exit":
+            if best_exit is None or pat.priority > best_exit[0].priority:
+                best_exit = (pat, m.groupdict())
         elif pat.role in _FAILURE_ROLES:
             if best is None or pat.priority > best[0].priority:
                 best = (pat, m.groupdict())
+        elif pat.role == "launcher":
+            state.per_node_launcher = True
         else:
             _fact(pat, m.groupdict(), ctx, state, (pos, text[:_TEXT]))
             if pat.role == "completion":
                 state.add(Match(pat, pos[0], pos[1], text[:_TEXT], ctx, ()))
+    if ctx.rank is not None and len(state.ranks_seen) < _MAX_KEYS:
+        state.ranks_seen.add(ctx.rank)
+        if ctx.node is not None and ctx.pid is None:  # "[node-01] [rank3]:", Ray "ip=... [Rank 3]"
+            state.rank_host.setdefault(ctx.rank, ctx.node)
+    level = severity(body) if best or best_exit else "other"
+    if best_exit is not None:  # a launcher's exit report counts even inside a teardown line
+        _record(best_exit, pos, text, ctx, level, state)
     if best is not None and not quiet:
-        pat, groups = best
-        kept = tuple((k, v) for k, v in groups.items() if v is not None)
-        match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept)
-        state.add(match)
-        _side_facts(match, state)
+        _record(best, pos, text, ctx, level, state)
+
+
+def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: LineContext,
+            level: str, state: ScanState) -> None:
+    pat, groups = found
+    kept = tuple((k, v) for k, v in groups.items() if v is not None)
+    match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept, level)
+    state.add(match)
+    _side_facts(match, state)
+    if pat.role == "exit":
+        _exit_event(match, state)
+
+
+def _exit_event(m: Match, state: ScanState) -> None:
+    """Normalise one launcher exit line into an :class:`ExitEvent` (code 0 is no failure)."""
+    g = dict(m.groups)
+    if g.get("code") is not None:
+        code = int(g["code"])
+    elif g.get("signal"):
+        code = _SIGNALS.get(g["signal"].upper(), 1)
+    elif g.get("signum"):
+        code = -int(g["signum"])
+    else:
+        code = 1  # "terminated with the following error": a Python exception
+    if code == 0 or len(state.exits) >= _MAX_EXITS:
+        return
+    num = {k: int(g[k]) for k in ("rank", "task", "local_rank", "pid") if g.get(k)}
+    state.exits.append(ExitEvent(m.order, code, m.pattern.id, num.get("rank"), num.get("task"),
+                                 num.get("local_rank"), num.get("pid"),
+                                 g.get("node") or m.ctx.node))
 
 
 def _side_facts(m: Match, state: ScanState) -> None:
@@ -320,17 +397,30 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
 def scan_files(paths: list[str], reg: Registry) -> ScanState:
     """Scan ``paths`` in order and return the accumulated :class:`ScanState`.
 
+    An input that cannot be read as a text log (missing, unreadable, a directory, binary) is
+    skipped with a warning and listed in ``ScanState.flagged`` when another input could be read.
+
     Raises:
-        LogInputError: no paths, a path is missing/unreadable/a directory, a log is binary, or
-            every log is empty.
+        LogInputError: no paths, or no input could be read (each missing, unreadable, a
+            directory, binary or empty); the message names every one.
     """
     if not paths:
         raise LogInputError("no log files given; pass at least one path")
     state = ScanState(files=[str(p) for p in paths])
+    errors: list[LogInputError] = []
     for i, path in enumerate(state.files):
-        if os.path.isdir(path):
-            raise LogInputError(f"{path!r} is a directory; pass the log files inside it")
-        _scan_file(path, i, reg, state)
+        try:
+            if os.path.isdir(path):
+                raise LogInputError(f"{path!r} is a directory; pass the log files inside it")
+            _scan_file(path, i, reg, state)
+        except LogInputError as exc:  # one bad input must not lose the others' analysis
+            errors.append(exc)
+            state.flagged.append(path)
+            state.warnings.append(f"{path}: not analysed: {exc}")
     if state.bytes_read == 0:
+        if len(errors) == 1 and len(state.files) == 1:
+            raise errors[0]
+        if errors:
+            raise LogInputError("no input could be analysed: " + "; ".join(map(str, errors)))
         raise LogInputError(f"every log is empty ({', '.join(state.files)}); nothing to analyse")
     return state

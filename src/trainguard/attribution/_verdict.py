@@ -1,59 +1,112 @@
-"""Choose the primary failure deterministically and build the analysis result.
+"""Choose the primary failure by scoring evidence, and build the analysis result.
 
-Selection order (first that applies):
+Data flows one way: scan (matches, exit reports, progress) -> :func:`resolve` (ranks and nodes,
+once) -> evidence scores -> verdict. Each root, confirmation and cascade match gets a score:
 
-1. decisive root candidates (tier >= 20): the highest tier, then the earliest line;
-2. a completion marker: ``completed``;
-3. weak roots (cancellation, C++ terminate) and cascades (watchdog timeouts, peer errors): the
-   earliest, so a collective timeout with nothing deeper becomes the primary;
-4. launcher exit records (exit code/signal only): the earliest;
+* its row's strength: the tier (30 specific cause, 25 confirmation, 20 generic, 10 weak marker
+  such as an abort or a bare "does not exist"), 15 for a cascade symptom;
+* its severity: a line the program itself logged at INFO is weak evidence (-10), WARNING -3;
+* its relation to a process exit: printed by a rank (or pid) whose own process the launcher
+  reports failed, +8;
+* time order: a fault after which training went on and no process failed did not stop the job
+  (-25), except scheduler and node events, which end the job by definition; a cancellation
+  that follows a failed process exit is the launcher's teardown, not a person's decision (-20).
+
+Selection, first that applies:
+
+1. strong evidence (score >= 20): the highest score, then the earliest line;
+2. a completion marker with no failed exit after it: ``completed``;
+3. weak evidence and cascades (0 < score < 20): the earliest, so a collective timeout with
+   nothing deeper becomes the primary and an abort after it stays its teardown;
+4. failed process exits reported by any launcher: the earliest, category from its code/signal
+   (``exit_codes``), so a job whose launcher reports a failed exit never gets ``in_progress``;
 5. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
 6. ``unknown``.
 
 When no input file looks like text (see ``_scan.junk_fraction``) the result is ``unknown`` with
 confidence 0 and decision STOP: a verdict, let alone a restart, cannot rest on unreadable input.
 
-Follows: NVRx restart-agent L0 (earliest confirmed root, cascades folded into counts).
+Follows: NVRx restart-agent L0 (confirmed root over cascades, cascades folded into counts);
+unlike it, position alone never decides against a fault tied to a process exit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trainguard.attribution._registry import Registry
-from trainguard.attribution._resolve import nodes_of, ranks_of
+from trainguard.attribution._resolve import Resolution, resolve
 from trainguard.attribution._result import AnalysisResult, Cascade, Evidence
-from trainguard.attribution._scan import Match, ScanState
+from trainguard.attribution._scan import ExitEvent, Match, ScanState
 
 __all__ = ["build_result"]
 
 _UNREADABLE = ("no input file looks like a text log (see warnings), so nothing could be "
                "attributed and no automatic restart should rest on it; check the log paths")
-
-def _first(state: ScanState, roles: set[str], pred=lambda p: True) -> list[Match]:
-    out = []
-    for ms in state.matches.values():
-        if ms and ms[0].pattern.role in roles and pred(ms[0].pattern):
-            out.append(ms[0])
-    return out
+_STRONG = 20.0
+_TEARDOWN_CODES = {-15, 143, -1}
+_CANCEL = "user_cancelled"
 
 
-def _select(state: ScanState, reg: Registry, job_ended: bool) -> tuple[str, list[Match], str]:
-    decisive = _first(state, {"root", "confirmation"}, lambda p: p.tier >= 20)
-    if decisive:
-        top = max(m.pattern.tier for m in decisive)
-        m = min((m for m in decisive if m.pattern.tier == top), key=lambda m: m.order)
-        return m.pattern.category or "unknown", [m], "earliest root candidate of the highest tier"
-    done = _first(state, {"completion"})
+@dataclass
+class _Evidence:
+    """What the scores need besides the match: resolution, failed exits, last progress."""
+
+    state: ScanState
+    reg: Registry
+    res: Resolution
+    failed: list[ExitEvent]
+
+    def score(self, m: Match) -> float:
+        p = m.pattern
+        s = 15.0 if p.role == "cascade" else float(p.tier)
+        s -= {"info": 10.0, "warning": 3.0}.get(m.level, 0.0)
+        rank = self.res.match_rank(m, self.state)
+        if (rank is not None and rank in self.res.failed_ranks) or (
+                m.ctx.pid is not None and m.ctx.pid in self.res.failed_pids):
+            s += 8.0
+        if self._survived(m) and not self._ends_job(p.category):
+            s -= 25.0
+        if p.category == _CANCEL and any(e.order < m.order for e in self.failed):
+            s -= 20.0
+        return s
+
+    def _survived(self, m: Match) -> bool:
+        last = self.state.last_progress
+        return not self.failed and last is not None and m.order < last[0]
+
+    def _ends_job(self, category: str | None) -> bool:
+        cat = self.reg.categories.get(category or "unknown")
+        return cat is not None and (not cat.ranks or category == "node_failure")
+
+
+def _all(state: ScanState, roles: set[str]) -> list[Match]:
+    return [m for ms in state.matches.values() for m in ms if m.pattern.role in roles]
+
+
+def _select(state: ScanState, ev: _Evidence,
+            job_ended: bool) -> tuple[str, list[Match], str]:
+    scored = [(ev.score(m), m) for m in _all(state, {"root", "confirmation", "cascade"})]
+    strong = [(s, m) for s, m in scored if s >= _STRONG and m.pattern.role != "cascade"]
+    if strong:
+        top = max(s for s, _ in strong)
+        m = min((m for s, m in strong if s == top), key=lambda m: m.order)
+        basis = "strongest evidence (severity, row strength, tie to a failed exit), earliest"
+        return m.pattern.category or "unknown", [m], basis
+    done = [m for m in _all(state, {"completion"})
+            if not any(e.order > m.order for e in ev.failed)]
     if done:
-        return "completed", done, "the run reports normal completion and nothing failed"
-    weak = _first(state, {"root", "confirmation", "cascade"})
+        return "completed", [min(done, key=lambda m: m.order)], \
+            "the run reports normal completion and nothing failed"
+    weak = [m for s, m in scored if 0.0 < s]
     if weak:
         m = min(weak, key=lambda m: m.order)
         return m.pattern.category or "unknown", [m], "no deeper cause; earliest failure symptom"
-    exits = _first(state, {"exit"})
-    if exits:
-        m = min(exits, key=lambda m: m.order)
-        code = int(dict(m.groups).get("code", 0))
-        return reg.exit_codes.get(code, "unknown"), [m], "only a launcher exit record"
+    if ev.failed:
+        first = min(ev.failed, key=lambda e: e.order)
+        exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
+        return ev.reg.exit_codes.get(first.code, "unknown"), exits[:1], \
+            f"only a launcher's report of a failed process exit (code {first.code})"
     if state.last_progress is not None and not job_ended:
         return "in_progress", [], "training progress is logged and nothing has failed"
     return "unknown", [], "no failure or progress evidence in the log"
@@ -62,50 +115,61 @@ def _select(state: ScanState, reg: Registry, job_ended: bool) -> tuple[str, list
 def _primary_ids(state: ScanState, category: str, chosen: list[Match]) -> list[str]:
     if chosen and chosen[0].pattern.role in ("exit", "completion"):
         return [chosen[0].pattern.id]
-    cascade_only = not chosen or chosen[0].pattern.role == "cascade"
-    roles = {"cascade"} if cascade_only else {"root", "confirmation"}
+    roles = {"root", "confirmation"} if chosen and chosen[0].pattern.role != "cascade" \
+        else {"cascade"}
     return [pid for pid, ms in state.matches.items()
             if ms and ms[0].pattern.category == category and ms[0].pattern.role in roles]
 
 
-def _culprit_ranks(state: ScanState, reg: Registry, category: str, ids: list[str]) -> list | None:
+def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, category: str,
+                   ids: list[str]) -> list[int] | None:
     if not reg.categories[category].ranks:
         return None
-    ranks = ranks_of(state, ids)
     if category == "collective_timeout":
         ranks = _laggards(state)
-    elif not ranks and reg.categories[category].domain == "workload":
-        # torchrun record: a rank that exited with its own error code (not a signal) raised it
-        ranks = {r for r, _, code in state.exit_records if code > 0}
-    if not ranks:
-        return None
-    everyone = set(range(state.world_size)) if state.world_size else set()
-    if everyone and everyone <= ranks:
+    else:
+        ranks = res.ranks_of(ids)
+        if not ranks:  # the fault line names nobody: the processes the launchers saw fail
+            ranks = set(res.failed_ranks)
+        if not ranks and reg.categories[category].nodes:  # a node's fault: its failing ranks
+            ranks = _ranks_on(state, res, res.nodes_of(ids))
+    if not ranks or res.is_everyone(ranks):
         return None
     return sorted(ranks)
 
 
+def _ranks_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
+    """Ranks on ``nodes`` that printed any failure line (root, confirmation or cascade)."""
+    failing = {r for pid, ms in state.matches.items() if ms and ms[0].pattern.role in
+               ("root", "confirmation", "cascade") for r in res.ranks.get(pid, ())}
+    return {r for r in failing if state.rank_host.get(r) in nodes}
+
+
 def _laggards(state: ScanState) -> set[int]:
-    """Ranks whose last enqueued collective is behind their peers' (they never joined)."""
+    """Ranks behind their peers: a lower last-enqueued collective, or named by gloo."""
+    named = {int(v) for ms in state.matches.values() for m in ms for k, v in m.groups
+             if k == "laggard"}
     if len(state.enqueued) < 2:
-        return set()
+        return named
     top = max(state.enqueued.values())
-    return {r for r, e in state.enqueued.items() if e < top}
+    return named | {r for r, e in state.enqueued.items() if e < top}
 
 
-def _cascades(state: ScanState, primary: str, culprits: list[int] | None) -> list[Cascade]:
+def _cascades(state: ScanState, res: Resolution, primary: str,
+              culprits: list[int] | None) -> list[Cascade]:
     """Secondary symptoms in *other* ranks (a culprit's own teardown is not a cascade)."""
     out: dict[str, Cascade] = {}
     for pid, ms in state.matches.items():
         if not ms or ms[0].pattern.role != "cascade" or ms[0].pattern.category == primary:
             continue
-        if culprits and not ranks_of(state, [pid]) - set(culprits):
+        ranks = res.ranks.get(pid, set())
+        if culprits and not ranks - set(culprits):
             continue
         cat = ms[0].pattern.category or "unknown"
         c = out.setdefault(cat, Cascade(cat, 0, set(), set(), ms[0]))
         c.count += state.counts[pid]
-        c.ranks |= ranks_of(state, [pid])
-        c.nodes |= nodes_of(state, [pid])
+        c.ranks |= ranks
+        c.nodes |= res.nodes.get(pid, set())
         if ms[0].order < c.first.order:
             c.first = ms[0]
     return [out[k] for k in sorted(out)]
@@ -130,22 +194,31 @@ def _confidence(chosen: list[Match], category: str, ids: list[str]) -> int:
 
 def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> AnalysisResult:
     """Turn a finished scan into an :class:`AnalysisResult` (decision from category policy)."""
+    res = resolve(state)
+    failed = [e for e in state.exits if e.code not in _TEARDOWN_CODES]
     unreadable = bool(state.non_text) and len(state.non_text) == state.nonempty
     chosen: list[Match]
     if unreadable:  # matches in binary data are noise; nothing can be attributed
         category, chosen, basis = "unknown", [], _UNREADABLE
     else:
-        category, chosen, basis = _select(state, reg, job_ended)
+        category, chosen, basis = _select(state, _Evidence(state, reg, res, failed), job_ended)
     cat = reg.categories[category]
+    domain = chosen[0].pattern.domain if chosen and chosen[0].pattern.domain else cat.domain
     ids = _primary_ids(state, category, chosen)
-    ranks = _culprit_ranks(state, reg, category, ids)
-    nodes = sorted(nodes_of(state, ids)) if cat.nodes else []
+    ranks = _culprit_ranks(state, reg, res, category, ids)
+    nodes = sorted(res.nodes_of(ids)) if cat.nodes else []
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
-    cascades = _cascades(state, category, ranks)
+    flagged = list(state.flagged) + [f for f in state.non_text if f not in state.flagged]
+    if flagged and not unreadable:  # README: input that is not a text log gets STOP
+        decision = "STOP"
+        basis += (f"; STOP because {len(flagged)} input(s) could not be read as a text log "
+                  f"({', '.join(flagged)}): no automatic decision rests on partly unreadable "
+                  "input -- remove or replace them and analyse again")
+    cascades = _cascades(state, res, category, ranks)
     return AnalysisResult(
-        primary_category=category, failure_domain=cat.domain, culprit_ranks=ranks,
+        primary_category=category, failure_domain=domain, culprit_ranks=ranks,
         culprit_nodes=nodes or None, cascades=cascades, decision=decision, basis=basis,
         evidence=_evidence(state, ids, cascades),
         confidence=0 if unreadable else _confidence(chosen, category, ids),
@@ -154,5 +227,5 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
         last_step=state.last_progress[1] if state.last_progress else None,
         last_checkpoint_step=state.last_checkpoint[1] if state.last_checkpoint else None,
         checkpoint_saved=state.last_checkpoint is not None,
-        files=list(state.files), warnings=list(state.warnings),
+        files=list(state.files), warnings=list(state.warnings), flagged_inputs=flagged,
         bytes_read=state.bytes_read, lines=state.lines)
