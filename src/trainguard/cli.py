@@ -17,6 +17,7 @@ _COMMANDS: dict[str, str] = {
     "launch": "trainguard.fault_tolerance._cli",
     "analyze": "trainguard.attribution._cli",
     "attrsvc": "trainguard.attribution._cli",
+    "straggler": "trainguard.straggler._cli",
 }
 
 
