@@ -14,10 +14,10 @@ from trainguard.straggler.report import KINDS, Report, StragglerId, StragglerInf
 from trainguard.straggler.scores import Scorer, ScoringConfig
 
 __all__ = [
-    "KINDS",
     "Actions",
     "CallableId",
     "Detector",
+    "KINDS",
     "MemoryTransport",
     "Report",
     "Scorer",

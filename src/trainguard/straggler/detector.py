@@ -51,6 +51,7 @@ __all__ = ["CallableId", "Detector"]
 T = TypeVar("T")
 _SCORES = ("relative_perf_scores", "individual_perf_scores")
 _init_count = itertools.count()
+_ABSENT = object()  # the wrapped attribute was inherited, not set on the object itself
 _NO_WINDOW = ("no window scored yet: fewer than window_steps steps marked, or summaries still in "
               "flight; no verdict")
 
@@ -240,7 +241,8 @@ class Detector:
             orig = getattr(cid.obj, cid.name)
             owner = cid.obj if isinstance(cid.obj, type) else type(cid.obj)
             section = session.recorder.section(f"{owner.__name__}.{cid.name}")
-            cls._wrapped.append((cid.obj, cid.name, cid.obj.__dict__.get(cid.name, orig)))
+            own = vars(cid.obj).get(cid.name, _ABSENT) if hasattr(cid.obj, "__dict__") else orig
+            cls._wrapped.append((cid.obj, cid.name, own))
             setattr(cid.obj, cid.name, section(orig))
 
     @classmethod
@@ -248,7 +250,10 @@ class Detector:
         """Undo :meth:`wrap_callables` (idempotent)."""
         while getattr(cls, "_wrapped", None):
             obj, name, orig = cls._wrapped.pop()
-            setattr(obj, name, orig)
+            if orig is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, orig)
 
     @classmethod
     def generate_report(cls) -> Report | None:
