@@ -16,12 +16,12 @@ import pytest
 
 from trainguard.testing import run_ranks
 
-HERE = str(Path(__file__).parent)
+BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 WINDOW = 20
 
 
 def _launch(cfg: dict[str, Any], timeout_s: float = 120.0) -> list[Any]:
-    results = run_ranks("strag_workers:run", 4, timeout_s=timeout_s, pythonpath=[HERE],
+    results = run_ranks("_straggler_workload:run", 4, timeout_s=timeout_s, pythonpath=[BENCH],
                         env={"TG_STRAG_CFG": json.dumps(cfg)})
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}:\n{r.stderr[-3000:]}"

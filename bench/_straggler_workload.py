@@ -1,4 +1,4 @@
-"""Rank programs for the straggler tests: sleep-model compute, a declarative slow-down schedule.
+"""Rank program for straggler tests and bench: sleep-model compute, a declarative slow-down plan.
 
 Each rank reads ``TG_STRAG_CFG`` (JSON): ``steps``, ``window``, ``compute_ms``, ``data_ms``,
 ``slow`` (list of ``{rank, start, end, factor, what}`` with ``what`` = compute | data),
