@@ -4,7 +4,10 @@ Each rank reads ``TG_STRAG_CFG`` (JSON): ``steps``, ``window``, ``compute_ms``, 
 ``slow`` (list of ``{rank, start, end, factor, what}`` with ``what`` = compute | data),
 ``collective`` (all | sub012 | none), ``section`` (whole-step section), ``hang`` (``{rank, step}``:
 that rank blocks on a store key until rank 0 finishes), ``gather`` (gather_on_rank0),
-``floor_ms``, ``run_dir`` (rank 0 writes report files), ``ranks_per_node``.
+``floor_ms``, ``run_dir`` (rank 0 writes report files), ``ranks_per_node``, ``cpu_ms`` (CPU
+time burnt per step on top of the sleep), ``cgroup`` (``{rank, step, path}``: that rank moves
+itself into a CPU-quota cgroup at that step; root), ``tbf`` (``{rank, step, dev, rate}``: that
+rank rate-limits its namespace's link with ``tc tbf`` at that step; root), ``tensor_numel``.
 Returns ``{"reports": [Report.to_dict(), ...], "steps_done": n}``.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from datetime import timedelta
 from typing import Any
@@ -29,6 +33,23 @@ def _factor(cfg: dict[str, Any], rank: int, step: int, what: str) -> float:
     return 1.0
 
 
+def _burn_cpu(ms: float) -> None:
+    end = time.thread_time() + ms / 1e3  # CPU time, so a CPU quota stretches the wall time
+    while time.thread_time() < end:
+        pass
+
+
+def _inject(cfg: dict[str, Any], rank: int, step: int) -> None:
+    cg = cfg.get("cgroup") or {}
+    if cg.get("rank") == rank and cg["step"] == step:
+        with open(os.path.join(cg["path"], "cgroup.procs"), "w") as fh:
+            fh.write(str(os.getpid()))
+    tbf = cfg.get("tbf") or {}
+    if tbf.get("rank") == rank and tbf["step"] == step:
+        subprocess.run(["tc", "qdisc", "add", "dev", tbf["dev"], "root", "tbf", "rate",
+                        tbf["rate"], "burst", "4kb", "latency", "200ms"], check=True, timeout=10)
+
+
 def run() -> dict[str, Any]:
     cfg = json.loads(os.environ["TG_STRAG_CFG"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -41,7 +62,7 @@ def run() -> dict[str, Any]:
         node_name=f"n{rank // cfg.get('ranks_per_node', 1)}", window_steps=cfg["window"],
         scoring=ScoringConfig(floor_ms=cfg.get("floor_ms", 1.0)),
         actions=Actions(log=True, run_dir=run_dir))
-    tensor = torch.ones(1024)
+    tensor = torch.ones(cfg.get("tensor_numel", 1024))
     section = Detector.detection_section("step")
     hang = cfg.get("hang") or {}
     steps_done = 0
@@ -50,10 +71,13 @@ def run() -> dict[str, Any]:
         if hang.get("rank") == rank and hang["step"] == step:
             store.wait(["test/release"], timedelta(seconds=60))  # hung until rank 0 is done
             break
+        _inject(cfg, rank, step)
         with Detector.data_wait():
             time.sleep(cfg.get("data_ms", 0.0) * _factor(cfg, rank, step, "data") / 1e3)
         with section:
             time.sleep(cfg["compute_ms"] * _factor(cfg, rank, step, "compute") / 1e3)
+            if cfg.get("cpu_ms"):
+                _burn_cpu(cfg["cpu_ms"])
             if cfg.get("collective", "all") == "all":
                 dist.all_reduce(tensor)
             elif sub is not None and rank in (0, 1, 2):

@@ -148,3 +148,15 @@ def test_section_scores_and_identify_stragglers_nvrx_semantics():
 def test_config_errors_say_what_to_fix(kwargs, words):
     with pytest.raises(StragglerConfigError, match=words):
         ScoringConfig(**kwargs)
+
+
+def test_relative_straggler_explains_longer_waits_no_communication_verdict():
+    # a CPU-throttled rank is slow in compute and also frozen inside the collectives, so even
+    # the last arriver's wait grows: still a compute straggler, not a slow network
+    cfg = ScoringConfig(consecutive=2, warmup_windows=2)
+    normal = window(4, wait=1.0)
+    throttled = {r: summary(r, 15.0 if r == 1 else 10.0, wait=8.0 if r == 1 else 13.0)
+                 for r in range(4)}
+    reports = run(Scorer(cfg, 4), [normal] * 4 + [throttled] * 3)
+    assert flagged(reports[6]) == {1: "compute"}
+    assert all(set(flagged(r)) <= {1} for r in reports)

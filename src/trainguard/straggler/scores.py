@@ -15,7 +15,7 @@ Rules, per window after warm-up (``work`` = compute + data-loader wait, window m
 * communication: the step slowed against its own baseline while work did not and the collectives
   themselves got slower: the *smallest* wait over ranks (the last arriver's, i.e. the transfer
   without waiting for peers) grew; a compute straggler makes the others wait longer but not the
-  last arriver;
+  last arriver; reported only while no rank is relatively slow (that would explain the waits);
 * kind: ``data`` when the data-loader excess dominates, ``node`` when every rank of a node with
   two or more ranks is flagged (and not every rank of the job), ``imbalance`` when the rank has
   been above since the first scored window, else ``compute``;
@@ -281,7 +281,10 @@ class Scorer:
     def _stragglers(self, per_rank: dict[int, dict[str, float]], ref: dict[str, float],
                     sec_rel: dict[str, dict[int, float]]) -> tuple[StragglerInfo, ...]:
         flagged = {r for r in per_rank if self._state[r].rel.on}
-        comm = {r for r in per_rank if self._state[r].comm.on and r not in flagged}
+        # a rank that is slow relative to the others explains why everyone waits longer (a
+        # throttled rank is also frozen inside collectives): no communication verdict then
+        explained = flagged or any(self._state[r].rel.above for r in per_rank)
+        comm = set() if explained else {r for r in per_rank if self._state[r].comm.on}
         node_ranks: dict[str, list[int]] = collections.defaultdict(list)
         for r in per_rank:
             node_ranks[self.rank_to_node.get(r, "?")].append(r)
