@@ -6,8 +6,8 @@ Measured in one run, each with its baseline:
   floor (two ``perf_counter_ns`` reads and a list append) and, with ``--nvrx-python``, NVRx's
   ``detection_section`` (CPU path, CUPTI stubbed);
 * ``step_overhead_pct``: per-step instrumentation of a 10 ms step (two sections, one data wait,
-  one wrapped collective, the step mark, plus the window summary and publish amortised over the
-  window), timed in a tight loop, over 10 ms; ``step_overhead_ab_pct`` is the same from an A/B
+  one wrapped collective, the step mark, plus closing and summarising the window amortised over
+  its steps), timed in a tight loop, over 10 ms; ``step_overhead_ab_pct`` is the same from an A/B
   run of real 10 ms sleep steps (noisy, for reference);
 * ``window_report_ms``: publish 4 ranks' summaries to a TCPStore, collect them and score the
   window (the aggregator's work per window); NVRx: its collective ``generate_report`` (1 rank);
@@ -51,9 +51,12 @@ def _loop_ns(n: int) -> int:
 def micro(n: int) -> dict[str, float]:
     """Mark, wrapper and per-step costs in one process (no process group needed)."""
     from trainguard.straggler import Detector, MemoryTransport, _collectives
+    from trainguard.straggler._recorder import Recorder
     from trainguard.straggler._stats import summarize
 
-    Detector.initialize(rank=0, world_size=1, transport=MemoryTransport(), window_steps=WINDOW,
+    # no window closes inside the timed loops (the reporter thread would compete for the GIL
+    # with a backlog no real job produces); closing and summarising are timed separately below
+    Detector.initialize(rank=0, world_size=1, transport=MemoryTransport(), window_steps=10 ** 9,
                         report_time_interval=0, time_collectives=False)
     try:
         rec = Detector._get().recorder
@@ -99,6 +102,17 @@ def micro(n: int) -> dict[str, float]:
                    "coll_wrap_us": (t5 - t4 - empty) / n / 1e3,
                    "step_marks_us": (t7 - t6 - empty) / n / 1e3}
             best = {k: min(v, best.get(k, v)) for k, v in cur.items()}
+        # closing a window on the training thread (list swaps, compute = step - wait - data)
+        closer = Recorder(WINDOW)
+        closer.section("x")
+        t0 = perf_counter_ns()
+        for _ in range(2000):
+            for _ in range(WINDOW):
+                closer._step.append(10_000_000)
+                closer._wait.append(1_000_000)
+                closer._data.append(0)
+            closer._close()
+        best["window_close_us"] = (perf_counter_ns() - t0) / 2000 / 1e3
         # the reporter thread's work per window: summarise 4 metrics + 2 sections of WINDOW steps
         data = [10_000_000 + i for i in range(WINDOW)]
         t0 = perf_counter_ns()
@@ -274,7 +288,9 @@ def main() -> int:
     args = ap.parse_args()
     n = 20_000 if args.quick else args.marks
     res: dict[str, Any] = micro(n)
-    step_cost_us = res["step_marks_us"] + res["window_summary_us"] / WINDOW
+    step_cost_us = res["step_marks_us"] + (res["window_close_us"] + res["window_summary_us"]) / WINDOW
+    res["step_cost_us"] = step_cost_us
+    res["load_avg_1min"] = os.getloadavg()[0]
     res["step_overhead_pct"] = 100.0 * step_cost_us / 10_000.0
     res["window_report_ms"] = window_report_ms()
     res["step_overhead_ab_pct"] = ab_overhead(60 if args.quick else 300)

@@ -160,3 +160,14 @@ def test_relative_straggler_explains_longer_waits_no_communication_verdict():
     reports = run(Scorer(cfg, 4), [normal] * 4 + [throttled] * 3)
     assert flagged(reports[6]) == {1: "compute"}
     assert all(set(flagged(r)) <= {1} for r in reports)
+
+
+def test_window_summary_median_mad_p90_count():
+    from trainguard.straggler._stats import summarize
+
+    ns = [v * 1e6 for v in (1, 2, 3, 4, 100)] + [float("nan")]
+    med, mad, p90, count = summarize(ns)
+    assert (med, mad, p90, count) == (3.0, 1.0, 100.0, 5)  # NaN dropped, outlier-robust median
+    assert summarize([2e6, 4e6]) == (3.0, 1.0, 4.0, 2)
+    empty = summarize([])
+    assert empty[3] == 0 and all(math.isnan(x) for x in empty[:3])

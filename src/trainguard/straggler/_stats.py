@@ -29,11 +29,13 @@ def summarize(values_ns: Sequence[int | float]) -> Summary:
     MAD is the median absolute deviation from the median (unscaled); p90 is the nearest-rank
     90th percentile. Non-finite inputs are dropped and not counted.
     """
-    data = sorted(v / 1e6 for v in values_ns if math.isfinite(v))
+    data = sorted([v for v in values_ns if math.isfinite(v)])
     n = len(data)
     if n == 0:
         return (_NAN, _NAN, _NAN, 0)
-    med = median(data)
-    mad = median([abs(v - med) for v in data])
+    mid = n // 2
+    med = data[mid] if n % 2 else 0.5 * (data[mid - 1] + data[mid])
+    dev = sorted([abs(v - med) for v in data])
+    mad = dev[mid] if n % 2 else 0.5 * (dev[mid - 1] + dev[mid])
     p90 = data[min(n - 1, max(0, math.ceil(0.9 * n) - 1))]
-    return (med, mad, p90, n)
+    return (med / 1e6, mad / 1e6, p90 / 1e6, n)

@@ -231,7 +231,10 @@ class Detector:
         Once called, :meth:`generate_report_if_interval_elapsed` no longer marks steps itself.
         """
         cls._explicit_steps = True
-        cls._get().step()
+        session = cls._session
+        if session is None:
+            raise StragglerError("Detector is not initialized; call Detector.initialize() first")
+        session.step()
 
     @classmethod
     def wrap_callables(cls, callable_ids: Iterable[CallableId], profile_cuda: bool = True) -> None:
