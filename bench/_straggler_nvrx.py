@@ -50,7 +50,7 @@ def _init(rank: int, world: int) -> None:
 
 def mark(n: int) -> dict:
     import torch.distributed as dist
-    from nvidia_resiliency_ext.straggler import Detector
+    from nvidia_resiliency_ext.straggler import Detector  # type: ignore[import-not-found]
 
     _init(0, 1)
     Detector.initialize(gather_on_rank0=True)
@@ -76,7 +76,7 @@ def mark(n: int) -> dict:
 def rank() -> dict:
     import torch
     import torch.distributed as dist
-    from nvidia_resiliency_ext.straggler import Detector
+    from nvidia_resiliency_ext.straggler import Detector  # type: ignore[import-not-found]
 
     cfg = json.loads(os.environ["NVRX_CFG"])
     r, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -84,7 +84,7 @@ def run() -> dict[str, Any]:
                 dist.all_reduce(tensor, group=sub)
         steps_done += 1
     if rank == 0 and hang:
-        store.set("test/release", b"1")
+        store.set("test/release", "1")
     Detector.shutdown()
     reports = [r.to_dict() for r in Detector.last_reports()]
     if not hang:

@@ -67,7 +67,7 @@ class StoreTransport(SummaryTransport):
 
     def publish(self, summary: WindowSummary) -> None:
         line = json.dumps(summary, separators=(",", ":"), allow_nan=True) + "\n"
-        self.store.append(self._key(int(summary["window"])), line)
+        self.store.append(self._key(int(summary["window"])), line)  # type: ignore[attr-defined]
 
     def collect(self, window: int) -> dict[int, WindowSummary]:
         key = self._key(window)

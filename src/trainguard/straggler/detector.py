@@ -112,6 +112,11 @@ class Detector:
     """
 
     _session: Session | None = None
+    _report_interval_s: float = 60.0
+    _last_report_t: float = 0.0
+    _explicit_steps: bool = False
+    _wrapped: list[tuple[Any, str, Any]] = []  # noqa: RUF012 - replaced at initialize
+    _last_history: list[Report] = []  # noqa: RUF012 - replaced at shutdown
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Detector:  # noqa: PYI034
         raise StragglerError("Detector is a singleton of classmethods; call "
@@ -186,7 +191,7 @@ class Detector:
         cls._report_interval_s = float(report_time_interval)
         cls._last_report_t = _now()
         cls._explicit_steps = False
-        cls._wrapped: list[tuple[Any, str, Any]] = []
+        cls._wrapped = []
 
     @classmethod
     def _get(cls) -> Session:
@@ -251,7 +256,7 @@ class Detector:
     @classmethod
     def restore_original_callables(cls) -> None:
         """Undo :meth:`wrap_callables` (idempotent)."""
-        while getattr(cls, "_wrapped", None):
+        while cls._wrapped:
             obj, name, orig = cls._wrapped.pop()
             if orig is _ABSENT:
                 delattr(obj, name)
@@ -317,7 +322,7 @@ class Detector:
         """Reports of the current session, or of the last one after :meth:`shutdown`."""
         if cls._session is not None:
             return cls._session.history()
-        return list(getattr(cls, "_last_history", []))
+        return list(cls._last_history)
 
 
 def _now() -> float:
