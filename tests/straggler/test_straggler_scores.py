@@ -171,3 +171,10 @@ def test_window_summary_median_mad_p90_count():
     assert summarize([2e6, 4e6]) == (3.0, 1.0, 4.0, 2)
     empty = summarize([])
     assert empty[3] == 0 and all(math.isnan(x) for x in empty[:3])
+
+
+def test_job_wide_slowdown_is_not_an_individual_change():
+    cfg = ScoringConfig(consecutive=2, warmup_windows=2)
+    reports = run(Scorer(cfg, 4), [window(4)] * 4 + [window(4, base=15.0)] * 3)
+    assert not any(r.events for r in reports)
+    assert not any(r.stragglers for r in reports)

@@ -135,10 +135,9 @@ class Recorder:
     def _close(self) -> WindowData:
         step, wait, data = self._step, self._wait, self._data
         self._step, self._wait, self._data = [], [], []
-        compute = [s - w - d for s, w, d in zip(step, wait, data)]
-        out: WindowData = {
+        out: WindowData = {  # compute (= step - wait - data) is derived off this thread
             "window": self.window,
-            "metrics": {"step": step, "compute": compute, "wait": wait, "data": data},
+            "metrics": {"step": step, "wait": wait, "data": data},
             "sections": {name: sec.take() for name, sec in self.sections.items()},
         }
         self.window += 1

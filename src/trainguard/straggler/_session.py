@@ -113,6 +113,8 @@ class Session:
         return self._next_window >= self.recorder.window
 
     def _publish(self, data: WindowData) -> None:
+        m = data["metrics"]
+        m["compute"] = [s - w - d for s, w, d in zip(m["step"], m["wait"], m["data"])]
         summary = {
             "rank": self.rank, "node": self.node, "window": data["window"],
             "steps": len(data["metrics"]["step"]), "t_end": time.time(),

@@ -11,7 +11,8 @@ Rules, per window after warm-up (``work`` = compute + data-loader wait, window m
   ``consecutive`` windows above flag the rank; ``clear_windows`` windows below clear it
   (hysteresis: the band in between holds the state);
 * individual: the same test of ``work`` against the median of the rank's last
-  ``baseline_windows`` unflagged windows (a rolling baseline, not the historical minimum);
+  ``baseline_windows`` unflagged windows (a rolling baseline, not the historical minimum), unless
+  the median rank changed as much (a job-wide change such as machine load is not a straggler);
 * communication: the step slowed against its own baseline while work did not and the collectives
   themselves got slower: the *smallest* wait over ranks (the last arriver's, i.e. the transfer
   without waiting for peers) grew; a compute straggler makes the others wait longer but not the
@@ -161,6 +162,9 @@ class Scorer:
         warm = window < self.config.warmup_windows
         events: list[dict[str, Any]] = []
         rel_scores, ind_scores = {}, {}
+        # a change every rank shares (machine load, an eval step) is not a per-rank change point
+        ref["job_individual_ratio"] = median([
+            _ratio(v["work"], median(self._state[r].base_work)) for r, v in per_rank.items()])
         for r, v in per_rank.items():
             v["ratio"] = _ratio(v["work"], ref["work"])
             v["lateness_ms"] = max(x["wait"] for x in per_rank.values()) - v["wait"]
@@ -217,7 +221,8 @@ class Scorer:
         node = self.rank_to_node.get(r, "?")
         for name, hyst, a, b in (
             ("relative", st.rel, above, below),
-            ("individual", st.ind, *self._ind_test(ind_ratio, v["work"] - base["work"], floor)),
+            ("individual", st.ind, *self._ind_test(ind_ratio, v["work"] - base["work"], floor,
+                                                   ref["job_individual_ratio"])),
             ("communication", st.comm, *self._comm_test(v, base, floor)),
         ):
             event = hyst.update(a, b, cfg.consecutive, cfg.clear_windows)
@@ -234,8 +239,10 @@ class Scorer:
                            "ratio": v["ratio"]})
         return _ratio(base["work"], v["work"])
 
-    def _ind_test(self, ratio: float, gap: float, floor: float) -> tuple[bool, bool]:
-        above = ratio > self.config.ratio_threshold and gap > floor
+    def _ind_test(self, ratio: float, gap: float, floor: float,
+                  job_ratio: float) -> tuple[bool, bool]:
+        job_changed = job_ratio > self.config.clear_ratio  # NaN (no baseline yet) is False
+        above = ratio > self.config.ratio_threshold and gap > floor and not job_changed
         return above, not above and (ratio < self.config.clear_ratio or gap <= floor)
 
     def _comm_test(self, v: dict[str, float], base: dict[str, float],
