@@ -12,8 +12,10 @@ Measured in one run, each with its baseline:
 * ``window_report_ms``: publish 4 ranks' summaries to a TCPStore, collect them and score the
   window (the aggregator's work per window); NVRx: its collective ``generate_report`` (1 rank);
 * ``detect_windows`` / ``est_loss_error_pct``: 4 gloo ranks, 10 ms sleep compute, rank 1 1.3x
-  from step 200: windows from onset to the flag (inclusive), |estimated - measured loss| in
-  points; ``whole_step_score_straggler``: the straggler's score for a whole-step section that
+  from step 200: windows from onset to the flag (inclusive), |estimated - injected loss| in
+  points, where the injected loss is the what-if: 3 ms per step over the median step time after
+  onset (``est_loss_error_measured_pct`` compares with the before/after step-time change
+  instead, which a loaded machine's drift distorts); ``whole_step_score_straggler``: the straggler's score for a whole-step section that
   contains the all-reduce (NVRx's is given by ``nvrx_whole_step_score_straggler``);
 * ``false_positive_rate``: flagged (rank, window) pairs over scored pairs in 1000 uniform steps.
 
@@ -48,8 +50,14 @@ def _loop_ns(n: int) -> int:
     return perf_counter_ns() - t0
 
 
-def micro(n: int) -> dict[str, float]:
-    """Mark, wrapper and per-step costs in one process (no process group needed)."""
+def micro(n: int, chunk: int = 2000) -> dict[str, float]:
+    """Mark, wrapper and per-step costs in one process (no process group needed).
+
+    ``n`` marks in chunks of ``chunk``; each figure is the best chunk (short chunks often run
+    without being preempted, so the minimum is the cost, not the machine's load).
+    """
+    repeats = max(5, n // chunk)
+    n = chunk
     from trainguard.straggler import Detector, MemoryTransport, _collectives
     from trainguard.straggler._recorder import Recorder
     from trainguard.straggler._stats import summarize
@@ -63,7 +71,7 @@ def micro(n: int) -> dict[str, float]:
         sec = Detector.detection_section("x")
         floor: list[int] = []
         best: dict[str, float] = {}
-        for _ in range(5):  # best of 5 against noise from other processes
+        for _ in range(repeats):
             empty = _loop_ns(n)
             t0 = perf_counter_ns()
             for _ in range(n):
@@ -207,11 +215,14 @@ def detection(compute_ms: float, onset: int, steps: int) -> dict[str, float]:
     before = statistics.median(r["step_ms_median"] for r in reports if 3 <= r["window"] < onset_w)
     after = statistics.median(r["step_ms_median"] for r in reports if r["window"] >= onset_w)
     out["measured_loss_pct"] = 100.0 * (after - before) / after
+    # what-if truth: removing the injected 0.3 x compute_ms from the critical path of each step
+    out["injected_loss_pct"] = 100.0 * 0.3 * compute_ms / after
     if first is not None:
         s = next(s for s in first["stragglers"] if s["rank"] == 1)
         out["detect_windows"] = first["window"] - onset_w + 1
         out["est_loss_pct"] = s["est_loss_pct"]
-        out["est_loss_error_pct"] = abs(s["est_loss_pct"] - out["measured_loss_pct"])
+        out["est_loss_error_pct"] = abs(s["est_loss_pct"] - out["injected_loss_pct"])
+        out["est_loss_error_measured_pct"] = abs(s["est_loss_pct"] - out["measured_loss_pct"])
         out["kind"] = s["kind"]  # type: ignore[assignment]
     late = [r for r in reports if r["window"] >= onset_w + 2]
     out["whole_step_score_straggler"] = statistics.median(
@@ -332,7 +343,8 @@ def _table(res: dict[str, Any]) -> None:
               f"NVRx report (1 rank) {g('nvrx_report_ms')}", "-")
     t.add_row("detect_windows (1.3x from step 200)", g("detect_windows", ".0f"), "-", "<= 3")
     t.add_row("est_loss_error_pct (points)", g("est_loss_error_pct", ".2f"),
-              f"measured loss {g('measured_loss_pct', '.1f')} %", "<= 5")
+              f"est {g('est_loss_pct', '.1f')} %, injected {g('injected_loss_pct', '.1f')} %, "
+              f"before/after {g('measured_loss_pct', '.1f')} %", "<= 5")
     t.add_row("false_positive_rate (1000 uniform steps)", g("false_positive_rate", ".4f"),
               f"{res.get('fp_windows')} windows", "0")
     t.add_row("straggler score, whole-step section", g("whole_step_score_straggler"),
