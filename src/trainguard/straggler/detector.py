@@ -269,7 +269,8 @@ class Detector:
 
         Returns None on ranks that do not aggregate (``gather_on_rank0=True`` and rank > 0), as
         NVRx does. On an aggregating rank before any window was scored, returns an empty report
-        whose ``warnings`` say so (never a silent "no stragglers").
+        whose ``warnings`` say so (never a silent "no stragglers"). Unlike NVRx it clears
+        nothing: windows are scored as they close, whether or not anyone asks for a report.
         """
         session = cls._get()
         if not session.aggregate:
