@@ -69,33 +69,33 @@ def micro(n: int, chunk: int = 2000) -> dict[str, float]:
     try:
         rec = Detector._get().recorder
         sec = Detector.detection_section("x")
+        sec2 = Detector.detection_section("y")
+        dw = Detector.data_wait()
+        noop = _collectives._wrap(rec, lambda: None)
         floor: list[int] = []
-        best: dict[str, float] = {}
-        for _ in range(repeats):
-            empty = _loop_ns(n)
-            t0 = perf_counter_ns()
+
+        def marks() -> None:
             for _ in range(n):
                 with sec:
                     pass
-            t1 = perf_counter_ns()
+
+        def lookups() -> None:
             for _ in range(n):
                 with Detector.detection_section("x"):
                     pass
-            t2 = perf_counter_ns()
+
+        def floors() -> None:
             for _ in range(n):
                 a = perf_counter_ns()
                 floor.append(perf_counter_ns() - a)
-            t3 = perf_counter_ns()
             floor.clear()
-            noop = _collectives._wrap(rec, lambda: None)
-            t4 = perf_counter_ns()
+
+        def wrapped() -> None:
             for _ in range(n):
                 noop()
-            t5 = perf_counter_ns()
-            dw = Detector.data_wait()
-            sec2 = Detector.detection_section("y")
-            t6 = perf_counter_ns()
-            for _ in range(n):  # one 10 ms step's instrumentation, without the sleeps
+
+        def step() -> None:  # one 10 ms step's instrumentation, without the sleeps
+            for _ in range(n):
                 with dw:
                     pass
                 with sec:
@@ -103,36 +103,50 @@ def micro(n: int, chunk: int = 2000) -> dict[str, float]:
                 with sec2:
                     pass
                 Detector.step()
-            t7 = perf_counter_ns()
-            cur = {"mark_us": (t1 - t0 - empty) / n / 1e3,
-                   "mark_lookup_us": (t2 - t1 - empty) / n / 1e3,
-                   "floor_us": (t3 - t2 - empty) / n / 1e3,
-                   "coll_wrap_us": (t5 - t4 - empty) / n / 1e3,
-                   "step_marks_us": (t7 - t6 - empty) / n / 1e3}
-            best = {k: min(v, best.get(k, v)) for k, v in cur.items()}
-        # closing a window on the training thread (list swaps, compute = step - wait - data)
-        closer = Recorder(WINDOW)
-        closer.section("x")
-        t0 = perf_counter_ns()
-        for _ in range(2000):
-            for _ in range(WINDOW):
-                closer._step.append(10_000_000)
-                closer._wait.append(1_000_000)
-                closer._data.append(0)
-            closer._close()
-        best["window_close_us"] = (perf_counter_ns() - t0) / 2000 / 1e3
-        # the reporter thread's work per window: summarise 4 metrics + 2 sections of WINDOW steps
-        data = [10_000_000 + i for i in range(WINDOW)]
-        t0 = perf_counter_ns()
-        for _ in range(200):
-            compute = [s - w - d for s, w, d in zip(data, data, data)]
-            summarize(compute)
-            for _ in range(5):
-                summarize(data)
-            json.dumps({"m": [list(summarize(data))] * 6})
-        best["window_summary_us"] = (perf_counter_ns() - t0) / 200 / 1e3
+
+        loops = {"mark_us": marks, "mark_lookup_us": lookups, "floor_us": floors,
+                 "coll_wrap_us": wrapped, "step_marks_us": step}
+        raw = {k: float("inf") for k in [*loops, "empty"]}
+        for _ in range(repeats):
+            raw["empty"] = min(raw["empty"], _loop_ns(n))
+            for key, fn in loops.items():
+                t0 = perf_counter_ns()
+                fn()
+                raw[key] = min(raw[key], perf_counter_ns() - t0)
+        best = {k: (raw[k] - raw["empty"]) / n / 1e3 for k in loops}
+        best["window_close_us"] = _best_window_close(Recorder, repeats) / 1e3
+        best["window_summary_us"] = _best_window_summary(summarize, repeats) / 1e3
     finally:
         Detector.shutdown()
+    return best
+
+
+def _best_window_close(recorder_cls: Any, repeats: int) -> float:
+    """Closing a window on the training thread (list swaps), best of ``repeats``; ns."""
+    closer = recorder_cls(WINDOW)
+    closer.section("x")
+    best = float("inf")
+    for _ in range(repeats):
+        closer._step, closer._wait, closer._data = [1] * WINDOW, [1] * WINDOW, [0] * WINDOW
+        t0 = perf_counter_ns()
+        closer._close()
+        best = min(best, perf_counter_ns() - t0)
+    return best
+
+
+def _best_window_summary(summarize: Any, repeats: int) -> float:
+    """The reporter thread's work per window (compute derivation, 4 metrics + 2 sections
+    summarised, JSON encoding), best of ``repeats``; ns."""
+    data = [10_000_000 + i for i in range(WINDOW)]
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = perf_counter_ns()
+        compute = [s - w - d for s, w, d in zip(data, data, data)]
+        summarize(compute)
+        for _ in range(5):
+            summarize(data)
+        json.dumps({"m": [list(summarize(data))] * 6})
+        best = min(best, perf_counter_ns() - t0)
     return best
 
 

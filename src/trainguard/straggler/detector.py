@@ -235,7 +235,8 @@ class Detector:
 
         Once called, :meth:`generate_report_if_interval_elapsed` no longer marks steps itself.
         """
-        cls._explicit_steps = True
+        if not cls._explicit_steps:  # writing a class attribute each call would cost ~1 us
+            cls._explicit_steps = True
         session = cls._session
         if session is None:
             raise StragglerError("Detector is not initialized; call Detector.initialize() first")
