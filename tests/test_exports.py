@@ -10,6 +10,7 @@ SUBPACKAGES = [
     "trainguard.checkpointing",
     "trainguard.attribution",
     "trainguard.runner",
+    "trainguard.straggler",
     "trainguard.testing",
     "trainguard.fault_tolerance",
 ]

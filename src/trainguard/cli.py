@@ -18,6 +18,7 @@ _COMMANDS: dict[str, str] = {
     "launch": "trainguard.fault_tolerance._cli",
     "analyze": "trainguard.attribution._cli",
     "attrsvc": "trainguard.attribution._cli",
+    "straggler": "trainguard.straggler._cli",
 }
 
 
