@@ -4,8 +4,8 @@ Usage::
 
     python bench/ft_launcher.py [--ranks 2 4] [--faults 3] [--nvrx-python PY] [--skip-torchrun]
 
-Workload: a small DDP model over gloo on CPU that imports torch, builds its process group and DDP
-model at every (re)start and writes wall-clock stamps per rank (``start`` = first line of the
+Workload: a small DDP model over gloo on CPU that imports torch, builds its process group (on a
+per-attempt store prefix, which torchrun's restarts need) and DDP model at every (re)start and writes wall-clock stamps per rank (``start`` = first line of the
 script, ``first_step`` = first completed step of a cycle, ``crash`` = just before rank 1 raises).
 One launcher run injects ``--faults`` crashes (one per cycle, ``--max-restarts`` = faults), so
 every figure is a median over the faults, measured by the workload itself:
@@ -18,9 +18,10 @@ every figure is a median over the faults, measured by the workload itself:
 * ``hang_detect_overhead_s``: a rank sends client heartbeats every step, then sleeps in C; the
   launcher's detection time (``launcher_events.jsonl``) minus the hang start minus the configured
   heartbeat timeout (``--hb-timeout``, 2 s);
-* ``heartbeat_us_median`` / ``section_us_median``: one ``send_heartbeat()`` / one
-  ``start_section`` + ``end_section`` pair, measured in a worker under the launcher (median of
-  batches).
+* ``heartbeat_us_median`` / ``section_us_median``: one ``send_heartbeat()`` / one section mark
+  (half a ``start_section`` + ``end_section`` pair), measured in a worker under the launcher
+  (median of batches); ``empty_method_call_us`` is an empty Python method call in the same
+  process, to read the figures against the machine's load.
 
 Headline keys are for the smallest ``--ranks``; ``by_ranks`` holds every configuration. Prints
 tables, then exactly one JSON line. Every run is bounded (``--timeout``) and its whole process
@@ -60,7 +61,15 @@ client = None
 if mode == "hang":
     from trainguard.fault_tolerance import RankMonitorClient
     client = RankMonitorClient(); client.init_workload_monitoring()
-dist.init_process_group("gloo")
+from datetime import timedelta
+# a fresh store prefix per attempt: torchrun's agent store outlives restarts, and a restarted gloo
+# group reading the previous attempt's keys fails in connectFullMesh (launcher-research.md E1)
+agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+world = int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                      rank == 0 and not agent, timeout=timedelta(seconds=120))
+dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{cycle}", store), rank=rank,
+                        world_size=world, timeout=timedelta(seconds=120))
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
     torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)))
@@ -97,7 +106,12 @@ hb = per_call(c.send_heartbeat)
 def pair():
     c.start_section("step"); c.end_section("step")
 sec = per_call(pair) / 2
-print("MICRO " + json.dumps({"heartbeat_us": hb, "section_us": sec}), flush=True)
+class Empty:
+    def call(self):
+        pass
+base = per_call(Empty().call)  # an empty method call: how loaded the machine is
+print("MICRO " + json.dumps({"heartbeat_us": hb, "section_us": sec, "empty_call_us": base}),
+      flush=True)
 '''
 
 
@@ -255,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_vs_torchrun": head.get("ratio_vs_torchrun"),
         "heartbeat_us_median": round(micro.get("heartbeat_us", -1), 3),
         "section_us_median": round(micro.get("section_us", -1), 3),
+        "empty_method_call_us": round(micro.get("empty_call_us", -1), 3),
         "hb_timeout_s": args.hb_timeout, "by_ranks": by_ranks, "failed_runs": failed,
         "load_avg_1m": [load_start, round(os.getloadavg()[0], 2)],
     }

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -100,6 +101,7 @@ class Launcher:
         self.last_iteration: int | None = None
         self.cold_reason = ""
         self.store_port = 0
+        self.background: list[threading.Thread] = []
 
     # -- small helpers used by _cycle ---------------------------------------------------
     def rank_of(self, local_rank: int) -> int:
@@ -183,6 +185,8 @@ class Launcher:
         self._signals.append(signum)
 
     def _teardown(self) -> None:
+        for thread in self.background:  # attribution of the last cycles (bounded)
+            thread.join(30.0)
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
         if self._old_handlers:

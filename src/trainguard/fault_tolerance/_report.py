@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from trainguard.fault_tolerance._cycle import CycleResult, Outcome
@@ -55,6 +56,10 @@ def _attribute(launcher: Launcher, res: CycleResult) -> str:
     return decision
 
 
+def _attribute_async(launcher: Launcher, res: CycleResult) -> None:
+    res.verdict = _attribute(launcher, res)
+
+
 def _progress(launcher: Launcher, res: CycleResult) -> bool:
     """Update the no-progress counter; True when the job must stop (no progress for N cycles)."""
     ft = launcher.spec.ft
@@ -84,7 +89,13 @@ def after_failure(launcher: Launcher, res: CycleResult) -> int | None:
     root = res.root_cause
     if root is not None:
         _log.error("cycle %d failed: rank %d %s", res.cycle, root.rank, root.detail)
-    res.verdict = _attribute(launcher, res)
+    if ft.attribution_stop_action == "no-restart":
+        res.verdict = _attribute(launcher, res)  # the restart decision waits for the verdict
+    else:  # only logged: never delay the restart for it
+        thread = threading.Thread(target=_attribute_async, args=(launcher, res),
+                                  name=f"tg-launch-attribution-{res.cycle}", daemon=True)
+        thread.start()
+        launcher.background.append(thread)
     if res.verdict == "STOP" and ft.attribution_stop_action == "no-restart":
         _log.error("attribution verdict STOP: not restarting (exit %d)", ft.no_restart_exit_code)
         return ft.no_restart_exit_code
