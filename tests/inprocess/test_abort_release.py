@@ -132,7 +132,21 @@ def _kind_ddp_teardown(cw: CallWrapper, rank: int, cfg: dict) -> None:
         del model
 
 
-_KINDS = {"ddp_teardown": _kind_ddp_teardown, "ckpt_kill": _kind_ckpt, "ckpt_raise": _kind_ckpt, "subgroup": _kind_subgroup, "pg_init": _kind_pg_init,
+def _kind_double_fault(cw: CallWrapper, rank: int, cfg: dict) -> None:
+    """Rank 1 raises in iterations 0 and 1 while the others are blocked in an all-reduce that
+    the abort breaks ("Connection closed by peer" on the healthy ranks)."""
+    import torch.distributed as dist
+
+    cw.init_process_group(timeout=300)
+    for step in range(4):
+        if rank == 1 and cw.iteration < 2 and step == 2:
+            time.sleep(0.3)
+            raise RuntimeError(f"injected fault {cw.iteration} on rank 1")
+        dist.all_reduce(torch.ones(4))
+    dist.destroy_process_group()
+
+
+_KINDS = {"double_fault": _kind_double_fault, "ddp_teardown": _kind_ddp_teardown, "ckpt_kill": _kind_ckpt, "ckpt_raise": _kind_ckpt, "subgroup": _kind_subgroup, "pg_init": _kind_pg_init,
           "store_wait": _kind_store_wait, "plain_env": _kind_plain_env}
 
 
@@ -247,3 +261,16 @@ def test_freeing_ddp_after_destroying_its_group_does_not_deadlock():
     for r in res:
         assert r.returncode == 0, r.stderr[-4000:]
         assert r.result["ret"] == 0 and r.result["records"] == [], r.result
+
+
+@pytest.mark.timeout(160)
+def test_fault_counter_counts_only_own_faults():
+    """FaultCounter(max_rank_faults=1): the rank that faulted twice leaves; the healthy ranks,
+    released from their all-reduce by the abort, are not blamed and finish (issue 13.2)."""
+    res = _launch("double_fault", 3, max_rank_faults=1)
+    assert res[1].returncode != 0 and "FaultCounterExceeded" in res[1].stderr, res[1].stderr[-3000:]
+    for r in (res[0], res[2]):
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.result["faults"] == 0 and r.result["ret"] == 2, r.result
+        assert r.result["world"] == 2, r.result
+        assert [x["ranks"] for x in r.result["records"]] == [[1], [1]], r.result

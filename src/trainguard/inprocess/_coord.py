@@ -50,6 +50,7 @@ class Cause(str, enum.Enum):
     HARD_TIMEOUT = "hard_timeout"  # no progress for hard_timeout: the rank was killed
     TERMINATED = "terminated"  # the rank's process died (signal, segfault, os._exit)
     UNRESPONSIVE = "unresponsive"  # the sibling heartbeat of the rank went stale
+    UNKNOWN = "unknown"  # interrupted without a readable record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,8 @@ class RestartRecord:
         cls, iteration: int, records: list[Interruption], interrupt_time: float
     ) -> RestartRecord:
         if not records:  # interrupted without a readable record: use our own clock
-            return cls(iteration, "unknown", (), interrupt_time, interrupt_time, interrupt_time)
+            return cls(iteration, Cause.UNKNOWN.value, (), interrupt_time, interrupt_time,
+                       interrupt_time)
         records = [r for r in records if not r.secondary] or records
         first = min(records, key=lambda r: r.fault_time)
         return cls(

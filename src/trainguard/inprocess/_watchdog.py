@@ -20,6 +20,7 @@ pending call, collective-wait classification.
 from __future__ import annotations
 
 import ctypes
+import enum
 import mmap
 import sys
 import threading
@@ -43,12 +44,19 @@ _FIELDS = (
 _INDEX = {name: i for i, name in enumerate(_FIELDS)}
 
 
-class Phase:
-    """Values of the ``phase`` field: deadlines are enforced only in RUNNING."""
+class Phase(enum.IntEnum):
+    """Values of the shared ``phase`` field (stored as a double); deadlines are enforced only in
+    RUNNING.
 
-    SETUP = 0.0
-    RUNNING = 1.0
-    DONE = 2.0
+    Transitions (written by the trainer, read by its monitor process): SETUP -> RUNNING when an
+    iteration begins; RUNNING -> RUNNING at each later iteration; RUNNING or SETUP -> DONE when the
+    call ends (completed, or the rank leaves through a BaseException) or when the monitor process
+    reported the trainer's death or killed it. DONE is final for the call.
+    """
+
+    SETUP = 0
+    RUNNING = 1
+    DONE = 2
 
 
 class ProgressBlock:

@@ -119,9 +119,7 @@ class Wrapper:
                 f"Wrapper takes keyword arguments only (got a positional {fn!r}); use "
                 "@Wrapper, @Wrapper() or @Wrapper(soft_timeout=...)"
             )
-        inst = super().__new__(cls)
-        inst.__init__(**kwargs)
-        return inst(fn)
+        return cls(**kwargs)(fn)
 
     def __init__(
         self,
