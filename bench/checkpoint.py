@@ -15,6 +15,10 @@ Scenarios (all by default, in one run):
 loop and dtensor write to --fast-dir (tmpfs by default) so the writes keep up with a save per
 step and the figures measure the checkpointing software, not the disk. Prints rich tables, then
 exactly one JSON line.
+Also (rounds): the blocking time of the first save of a freshly created checkpointer, without and
+with ``warmup(state)`` (``first_save_block_s``, ``first_save_after_warmup_block_s``), and the longest
+single non-blocking ``maybe_finalize()`` poll while a save is committed (``finalize_block_s``: what
+one training step can stall for the commit).
 """
 
 from __future__ import annotations
@@ -106,7 +110,18 @@ class Rounds:
         t0 = time.perf_counter()
         req = self.ck.save(self.state, self.round)
         self.add("async_block_s", time.perf_counter() - t0)
-        self.ck.wait()
+        # a training loop polls maybe_finalize() once per step: the longest call is the most a
+        # step stalls for the commit (manifest fsyncs, pruning) when it runs on the trainer
+        longest, polls = 0.0, 0
+        while True:
+            t1 = time.perf_counter()
+            done = self.ck.maybe_finalize()
+            longest = max(longest, time.perf_counter() - t1)
+            if done or polls > 200_000:
+                break
+            polls += 1
+            time.sleep(0.002)
+        self.add("finalize_block_s", longest)
         self.add("async_durable_s", req.durable_s)  # until the manifest is committed
 
     def run(self, rounds: int) -> dict[str, float]:
@@ -119,6 +134,26 @@ class Rounds:
         out = {k: statistics.median(v) for k, v in self.samples.items()}
         out["disk_write_gbps"] = self.nbytes / out.pop("disk_write_s") / 1e9
         return out
+
+
+def first_save(state, directory: str, repeats: int, warm: bool) -> float | None:
+    """Median blocking time of the first save of a checkpointer created just before it (after
+    ``warmup(state)`` if ``warm``; None when this version has no warmup)."""
+    samples = []
+    for i in range(repeats):
+        t_make = time.perf_counter()
+        ck = AsyncCheckpointer(os.path.join(directory, f"first{i}{warm}"), keep_last=1)
+        if warm:
+            if not hasattr(ck, "warmup"):
+                ck.close()
+                return None
+            ck.warmup(state)
+        t0 = time.perf_counter()
+        ck.save(state, 1)
+        samples.append(time.perf_counter() - t0)
+        print(f"first save (warmup: {warm}): setup {t0 - t_make:.3f} s, save {samples[-1]:.4f} s")
+        ck.close()
+    return statistics.median(samples)
 
 
 def nvrx(python: str | None) -> str:
@@ -159,6 +194,9 @@ def _rounds(args: argparse.Namespace, base: str) -> dict:
     state = make_state(args.size_mb)
     nbytes = sum(t.numel() * 4 for t in state.values())
     r = Rounds(state, base).run(args.repeats)
+    r["first_save_block_s"] = first_save(state, base, 3, warm=False)
+    r["first_save_after_warmup_block_s"] = first_save(state, base, 3, warm=True)
+    r["nvrx"] = nvrx(args.nvrx_python)
     disk_limit_s = nbytes / (r["disk_write_gbps"] * 1e9)
     r["block_vs_memcpy"] = r["async_block_s"] / r["memcpy_s"]
     r["snapshot_block_vs_dcp_async"] = r["async_block_s"] / r["dcp_async_block_s"]
@@ -171,7 +209,12 @@ def _rounds(args: argparse.Namespace, base: str) -> dict:
     table.add_row("torch.save + fsync", f"{r['torch_save_s']:.3f}", f"{r['torch_save_s']:.3f}")
     table.add_row("DCP async_save", f"{r['dcp_async_block_s']:.4f}", f"{r['dcp_async_durable_s']:.3f}")
     table.add_row("trainguard AsyncCheckpointer", f"{r['async_block_s']:.4f}", f"{r['async_durable_s']:.3f}")
-    table.add_row("NVRx", nvrx(args.nvrx_python), "")
+    table.add_row("  its first save after creation", f"{r['first_save_block_s']:.4f}", "")
+    warm = r["first_save_after_warmup_block_s"]
+    table.add_row("  its first save after warmup(state)",
+                  "n/a" if warm is None else f"{warm:.4f}", "")
+    table.add_row("  its longest maybe_finalize() poll", f"{r['finalize_block_s']:.4f}", "")
+    table.add_row("NVRx", r["nvrx"], "")
     Console().print(table)
     return r
 
@@ -243,7 +286,6 @@ def main() -> None:
     try:
         if "rounds" in args.scenarios:
             r.update(_rounds(args, base))
-            r["nvrx"] = nvrx(args.nvrx_python)
         if "loop" in args.scenarios:
             r.update(_loop(args, fast))
         if "dtensor" in args.scenarios:

@@ -117,7 +117,9 @@ def check_loadable(skeleton: Any, skip: type) -> None:
             with load_context():
                 torch.load(buf, weights_only=True)
         except Exception as exc:  # any failure means "cannot be restored"
-            reason = str(exc).split("WeightsUnpickler error: ")[-1].splitlines()[0]
+            tail = str(exc).split("WeightsUnpickler error: ")[-1]
+            reason = next((ln.strip() for ln in tail.splitlines() if ln.strip()),
+                          type(exc).__name__)
             raise StateDictError(
                 f"state value at key {path or '<root>'!r} ({type(value).__name__}) could be saved "
                 f"but not loaded back with torch.load(weights_only=True): {reason}. Convert it to "

@@ -653,11 +653,19 @@ class AsyncCheckpointer(LoadMixin):
     def abort(self) -> None:
         """Kill the writer and drop every queued save without collectives (restart path).
 
-        Safe from any thread of the trainer; the next ``save`` respawns the writer and recreates
-        the checkpointer's process group (re-reading rank and world size). With
-        ``keep_idle_writer`` a writer that owes no reply is kept.
+        Safe from any thread of the trainer; a fresh writer is started at once (it imports torch
+        while the restart goes on, so the next save does not wait for it); the next ``save``
+        recreates the checkpointer's process group (re-reading rank and world size). With
+        ``keep_idle_writer`` a writer that owes no reply is kept. Blocks for the SIGKILL and reap
+        of the writer (milliseconds, at most about 5.5 s).
         """
         self._overlap.drop()
+        self._drop()
+        if not self._closed:
+            self.writer.ensure_started()
+
+    def _drop(self) -> None:
+        """Kill the writer (unless idle and kept) and forget every queued save."""
         if not (self.keep_idle_writer and self.writer.alive()
                 and not any(self._owes(r) for r in self.queue)):
             self.writer.kill()
@@ -685,11 +693,11 @@ class AsyncCheckpointer(LoadMixin):
             if finalize and self.queue:
                 self.wait()
         finally:
-            if not finalize:
-                self.abort()
             self._overlap.drop()
             self._overlap.close()
             self._closed = True
+            if not finalize:
+                self._drop()
             self._finalizer()
 
     def __enter__(self) -> AsyncCheckpointer:  # noqa: PYI034

@@ -114,8 +114,8 @@ def _write_torch(storage, rel_dir: str, name: str, obj: Any, rank: int, total: i
         torch.save(obj, f)
         size, digest = f.commit()
     except BaseException as exc:
+        mapped = _write_error(exc, storage, rel, f.tell(), total)  # free space before cleanup
         f.abort()
-        mapped = _write_error(exc, storage, rel, f.tell(), total)
         if mapped is exc:
             raise
         raise mapped from exc
@@ -148,8 +148,8 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int, total: int) -> tuple[
                                        storage_data=_StorageInfo(name, offset, length)))
         size, digest = f.commit()
     except BaseException as exc:
-        f.abort()
         mapped = _write_error(exc, storage, f"{rel_dir}/{name}", f.tell(), total)
+        f.abort()
         if mapped is exc:
             raise
         raise mapped from exc
