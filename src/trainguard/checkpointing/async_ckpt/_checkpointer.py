@@ -191,7 +191,10 @@ class AsyncCheckpointer(LoadMixin):
         Raises:
             ConfigError: no root, a bad step (not an int, or not newer than the last commit), or a
                 state that the chosen format cannot hold.
-            StateDictError: a value cannot be pickled (the key is named).
+            StateDictError: a value cannot be pickled (the key is named), or a ``DTensor`` /
+                ``ShardedTensor`` with ``format="torch"``.
+            CheckpointTimeout: the previous overlapped copy did not finish within
+                ``write_timeout``.
         """
         if self.manager is None:
             raise ConfigError("save() needs AsyncCheckpointer(root=...); use async_save(obj, path) "
