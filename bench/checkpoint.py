@@ -2,7 +2,7 @@
 
 Usage: python bench/checkpoint.py --size-mb 256 [--dir /path] [--repeats 5] [--nvrx-python PY]
        [--scenarios rounds,loop,dtensor] [--step-ms 200] [--loop-rounds 3] [--loop-steps 8]
-       [--fast-dir /dev/shm]
+       [--fast-dir /dev/shm] [--save-every 1]
 
 Scenarios (all by default, in one run):
   rounds  - 64 float32 CPU tensors totalling --size-mb MiB saved once per round; limits measured
@@ -179,14 +179,17 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, default=200.0, help="loop: target step time (ms)")
     ap.add_argument("--loop-rounds", type=int, default=3, help="loop: measured rounds")
     ap.add_argument("--loop-steps", type=int, default=8, help="loop: steps per method per round")
+    ap.add_argument("--save-every", type=int, default=1,
+                    help="loop: save every N steps (1 = every step; overheads are per step)")
     ap.add_argument("--fast-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="loop/dtensor: directory to write to (default /dev/shm)")
     args = ap.parse_args()
     args.scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
     unknown = set(args.scenarios) - {"rounds", "loop", "dtensor"}
-    if unknown or args.size_mb <= 0 or args.repeats < 1 or args.step_ms <= 0:
+    if unknown or args.size_mb <= 0 or args.repeats < 1 or args.step_ms <= 0 \
+            or args.save_every < 1:
         ap.error(f"bad arguments: unknown scenarios {sorted(unknown)}" if unknown else
-                 "--size-mb, --repeats and --step-ms must be positive")
+                 "--size-mb, --repeats, --step-ms and --save-every must be positive")
     return args
 
 
@@ -220,9 +223,11 @@ def _rounds(args: argparse.Namespace, base: str) -> dict:
 
 
 def _loop(args: argparse.Namespace, base: str) -> dict:
-    loop = _ckpt_loop.Loop(args.size_mb, args.step_ms, base)
+    loop = _ckpt_loop.Loop(args.size_mb, args.step_ms, base, args.save_every)
     r = _ckpt_loop.summarize(loop.run(args.loop_rounds, args.loop_steps), loop.batch, loop.nbytes)
-    table = Table(title=f"training loop: {r['loop_state_mb']} MiB state, save every step "
+    r["loop_save_every"] = args.save_every
+    table = Table(title=f"training loop: {r['loop_state_mb']} MiB state, save every "
+                        f"{args.save_every} step(s) "
                         f"(step {r['loop_step_s'] * 1e3:.0f} ms, batch {loop.batch}); "
                         "min / median / max")
     for col in ("method", "blocks training s", "step s", "step overhead %"):

@@ -227,6 +227,7 @@ def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], aren
     if streams and not arena.pinned:
         torch.cuda.cudart().cudaHostRegister(arena.buf.data_ptr(), arena.capacity, 0)
         arena.pinned = True
+    cpu_dst, cpu_src = [], []
     with torch.no_grad():
         for (_, t), slot in zip(tensors, slots):
             dst = arena.view(slot)
@@ -234,7 +235,10 @@ def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], aren
                 with torch.cuda.stream(streams[t.device]):
                     dst.copy_(t.detach(), non_blocking=True)
             else:
-                dst.copy_(t.detach())
+                cpu_dst.append(dst)
+                cpu_src.append(t.detach())
+        if cpu_dst:  # one call: the GIL is released once for all copies
+            torch._foreach_copy_(cpu_dst, cpu_src)
     for stream in streams.values():
         stream.synchronize()
 

@@ -275,8 +275,11 @@ class AsyncCheckpointer(LoadMixin):
                 committed in the directory or queued: an earlier run's checkpoints are resumed
                 from or refused, see ``run_id``), or a state that the chosen format cannot hold.
             StateDictError: a value cannot be pickled, or (format ``torch``) could not be loaded
-                back by ``torch.load(weights_only=True)``; the key is named and nothing is
-                written. NumPy arrays, scalars and RNG states are allowed.
+                back by ``torch.load(weights_only=True)``, or is a ``DTensor`` /
+                ``ShardedTensor``; the key is named and nothing is written. NumPy arrays,
+                scalars and RNG states are allowed.
+            CheckpointTimeout: the previous overlapped copy did not finish within
+                ``write_timeout``.
         """
         if self.manager is None:
             raise ConfigError("save() needs AsyncCheckpointer(root=...); use async_save(obj, path) "

@@ -1,7 +1,7 @@
 """Overlapped snapshots: stage in a background thread, fence optimizer steps until it is done.
 
 ``AsyncCheckpointer.save(..., overlap=True)`` returns before the large tensors are copied; the
-copy runs in a named thread while the next forward and backward run (torch releases the GIL in
+copy runs in a named thread (``tg-ckpt-stage``) while the next forward and backward run (torch releases the GIL in
 ``copy_``). A global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``) makes every ``optimizer.step()`` of
 the process wait for that copy, so the checkpoint is an exact snapshot of the state at ``save``.
@@ -24,6 +24,7 @@ Follows: CheckFreq's snapshot()/persist() split and TorchTitan's "zero-overhead"
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -42,22 +43,31 @@ class _Job:
                  step: int | None) -> None:
         self.copy, self.done, self.step = copy, done, step
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"tg-ckpt-stage-{step}",
-                                       daemon=True)
+        self.finished = threading.Event()
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self.copy()
         except BaseException as exc:  # noqa: BLE001 - reported as a failed save by the trainer
             self.error = exc
+        finally:
+            self.finished.set()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """The staging thread: run jobs until the ``None`` sentinel (holds no checkpointer ref)."""
+    while (job := jobs.get()) is not None:
+        job.run()
 
 
 class OverlapGuard:
     """At most one background staging job, and the optimizer hook that waits for it.
 
-    ``start`` runs in the trainer thread; ``wait`` runs in whichever thread calls it (the
-    trainer's ``optimizer.step()`` through the hook, or the checkpointer's own calls) and then
-    runs the job's ``done`` callback there, so only that thread talks to the writer.
+    ``start`` runs in the trainer thread and hands the copy to one persistent, named staging
+    thread (no thread start per save: on a loaded host that alone costs milliseconds); ``wait``
+    runs in whichever thread calls it (the trainer's ``optimizer.step()`` through the hook, or
+    the checkpointer's own calls) and then runs the job's ``done`` callback there, so only that
+    thread talks to the writer.
 
     Args:
         timeout_s: longest ``wait`` blocks for a copy (a memcpy; exceeded only by a stuck device).
@@ -68,6 +78,8 @@ class OverlapGuard:
         self._job: _Job | None = None
         self._lock = threading.RLock()
         self._hook: Any = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         self.fenced_steps = 0  # optimizer steps that had to wait for staging
 
     @property
@@ -76,7 +88,7 @@ class OverlapGuard:
 
     def start(self, copy: Callable[[], None], done: Callable[[BaseException | None], None],
               step: int | None) -> None:
-        """Run ``copy`` in a background thread; ``done(error)`` runs later in ``wait``'s thread.
+        """Run ``copy`` in the staging thread; ``done(error)`` runs later in ``wait``'s thread.
 
         Call only when no job is pending (``wait`` first).
         """
@@ -84,9 +96,13 @@ class OverlapGuard:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._hook = register_optimizer_step_pre_hook(_make_hook(weakref.ref(self)))
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=_serve, args=(self._jobs,),
+                                            name="tg-ckpt-stage", daemon=True)
+            self._thread.start()
         job = _Job(copy, done, step)
         self._job = job
-        job.thread.start()
+        self._jobs.put(job)
 
     def wait(self, blocking: bool = True) -> None:
         """Finish the pending job (if any) and run its ``done`` callback in this thread.
@@ -99,10 +115,9 @@ class OverlapGuard:
         """
         with self._lock:
             job = self._job
-            if job is None or (not blocking and job.thread.is_alive()):
+            if job is None or (not blocking and not job.finished.is_set()):
                 return
-            job.thread.join(self.timeout_s)
-            if job.thread.is_alive():
+            if not job.finished.wait(self.timeout_s):
                 raise CheckpointTimeout(f"staging of checkpoint step {job.step} did not finish "
                                         f"within {self.timeout_s:.1f} s (write_timeout)")
             self._job = None
@@ -113,13 +128,18 @@ class OverlapGuard:
         with self._lock:
             job, self._job = self._job, None
         if job is not None:
-            job.thread.join(self.timeout_s)
+            job.finished.wait(self.timeout_s)
 
     def close(self) -> None:
-        """Remove the optimizer hook (idempotent); call after ``wait`` or ``drop``."""
+        """Remove the optimizer hook and stop the staging thread (idempotent; joins it for at
+        most 5 s); call after ``wait`` or ``drop``."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(5.0)
+            self._thread = None
 
 
 def _make_hook(ref: weakref.ref) -> Callable[..., None]:
