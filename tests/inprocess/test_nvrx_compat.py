@@ -51,7 +51,7 @@ def test_async_raise_reaches_the_main_thread():
                          args=(threading.main_thread().ident, Boom))
     with pytest.raises(Boom):
         t.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             time.sleep(1e-3)
     t.join(5)
@@ -73,7 +73,7 @@ def test_reraise_if_unraisable_restores_the_hook(monkeypatch):
         obj = Dropper()
         del obj
         gc.collect()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             time.sleep(1e-3)
     assert sys.unraisablehook is before
@@ -273,10 +273,10 @@ def test_blocking_sleep_soft_interrupt_or_hard_kill(mode, tmp_path):
     env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", _SLEEPER, mode, str(free_port())], env=env,
-                         capture_output=True, text=True, timeout=60, check=False)
+                         capture_output=True, text=True, timeout=90, check=False)
     elapsed = time.monotonic() - start
     if mode == "signal":  # the soft timeout ends the sleep; the restart completes
         assert out.returncode == 0 and "returned 1" in out.stdout, out.stderr[-2000:]
     else:  # NVRx-style delivery cannot end time.sleep: the hard timeout kills the rank
         assert out.returncode == -15, (out.returncode, out.stderr[-2000:])
-    assert elapsed < 20, f"took {elapsed:.1f} s"
+    assert elapsed < 45, f"took {elapsed:.1f} s"

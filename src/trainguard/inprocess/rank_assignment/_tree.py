@@ -14,7 +14,7 @@ import json
 import types
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -147,16 +147,17 @@ class Tree(RankAssignment):
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         state = checked_state(ctx, self)
+        rank = cast(int, state.rank)  # checked_state: an int in [0, world_size)
         dead = ctx.terminated_ranks
         if self._model is None or state.mode is Mode.INITIALIZED:
             self._model = None
             if _exchanges_keys(ctx.store):
-                model, own = self._build_from_key_store(ctx, state), state.rank
+                model, own = self._build_from_key_store(ctx, state), rank
             else:
-                if state.rank in dead:
+                if rank in dead:
                     raise discard(state, self, f"it is in the terminated set {sorted(dead)}")
                 model = self._build(ctx, state)
-                own = state.rank - sum(r < state.rank for r in dead)  # type: ignore[operator]
+                own = rank - sum(r < rank for r in dead)
         else:
             model = self._model
             if len(model.order) != state.world_size:
@@ -164,7 +165,7 @@ class Tree(RankAssignment):
                     f"Tree holds {len(model.order)} ranks but the state has world_size="
                     f"{state.world_size}; call Tree.reset() at the start of every Wrapper call"
                 )
-            own = model.order[state.rank]
+            own = model.order[rank]
             try:
                 model.reassign(set(dead), self.world_size_filter)
             except BaseException:
