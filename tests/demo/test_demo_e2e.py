@@ -137,6 +137,7 @@ def _check_resumed_from_the_last_commit(out: Path, summary: dict) -> None:
         (["--faults", "hang@rank1:step500"], "past the last step (160)"),
         (["--soft-timeout", "9"], "must be below --hard-timeout"),
         (["--steps", "0"], "must be >= 1"),
+        (["--duration", "5"], "'5' must be >= 20.0"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_error(tmp_path: Path, args, message):
