@@ -15,7 +15,8 @@ Rules, per window after warm-up (``work`` = compute + data-loader wait, window m
   the median rank changed as much (a job-wide change such as machine load is not a straggler);
 * communication: the step slowed against its own baseline while work did not and the collectives
   themselves got slower: the *smallest* wait over ranks (the last arriver's, i.e. the transfer
-  without waiting for peers) grew; a compute straggler makes the others wait longer but not the
+  without waiting for peers) grew by more than the floor and to more than twice
+  ``ratio_threshold`` times its baseline, while work stayed under ``clear_ratio`` times its own; a compute straggler makes the others wait longer but not the
   last arriver; reported only while no rank is relatively slow (that would explain the waits);
 * kind: ``data`` when the data-loader excess dominates, ``node`` when every rank of a node with
   two or more ranks is flagged (and not every rank of the job), ``imbalance`` when the rank has
@@ -247,10 +248,12 @@ class Scorer:
 
     def _comm_test(self, v: dict[str, float], base: dict[str, float],
                    floor: float) -> tuple[bool, bool]:
-        step_up = _ratio(v["step"], base["step"]) > self.config.ratio_threshold and \
-            v["step"] - base["step"] > floor
-        work_same = v["work"] - base["work"] <= floor
-        wait_up = v["wait_min"] - base["wait"] > floor
+        thr = self.config.ratio_threshold
+        step_up = _ratio(v["step"], base["step"]) > thr and v["step"] - base["step"] > floor
+        # unchanged work, also in ratio: CPU starvation stretches compute as well as collectives
+        work_same = _ratio(v["work"], base["work"]) < self.config.clear_ratio
+        wait_up = (v["wait_min"] - base["wait"] > floor
+                   and _ratio(v["wait_min"], base["wait"]) > 2 * thr)
         above = step_up and work_same and wait_up
         return above, not above and not step_up
 
