@@ -25,6 +25,13 @@ def _start(tmp_path, *args, cold=True):
                             stderr=subprocess.PIPE, text=True)
 
 
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # exited meanwhile (a zombie the launcher has not reaped yet)
+        return ""
+
+
 def _wait_log(tmp_path, needle, cycle=0, timeout=60):
     path = tmp_path / "t" / f"cycle_{cycle}.log"
     ok = wait_until(lambda: path.exists() and needle in path.read_text(), timeout, 0.05)
@@ -90,7 +97,7 @@ def test_a_killed_monitor_is_respawned_and_still_catches_the_hang(tmp_path):
     try:
         _wait_log(tmp_path, ":1: ready")
         monitors = [p for p in psutil.Process(proc.pid).children()
-                    if "_monitor" in " ".join(p.cmdline()) and '"local_rank": 1' in p.cmdline()[-1]]
+                    if '"local_rank": 1' in _cmdline(p) and "_monitor" in _cmdline(p)]
         assert len(monitors) == 1
         monitors[0].kill()
         (tmp_path / "go").write_text("")

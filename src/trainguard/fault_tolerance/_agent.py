@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 from trainguard._core.clock import Deadline
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.net import reserve_port
@@ -209,6 +211,26 @@ class Launcher:
                 terminate_processes([self._sweeper], grace_s=0.0, first_signal=signal.SIGKILL)
         os.close(self.wake_r)
         os.close(self.wake_w)
+
+    def reap_adopted(self) -> None:
+        """Reap orphans adopted as child subreaper (zombies that are none of our own handles;
+        ``waitpid(-1)`` would steal our ``Popen`` objects' exit statuses)."""
+        own = {m.proc.pid for m in self.monitors}
+        if self.server is not None:
+            own.add(self.server.proc.pid)
+        if self._sweeper is not None:
+            own.add(self._sweeper.pid)
+        own.update(w.pid for w in self.current or [] if w.popen is not None)
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                if child.pid not in own and child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError, OSError):
+                continue
 
     def sweep_descendants(self) -> None:
         """SIGKILL leftover job processes (marker scan), sparing monitors and the fork server."""

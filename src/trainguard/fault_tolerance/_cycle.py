@@ -139,6 +139,7 @@ def watch_cycle(launcher: Launcher, res: CycleResult, workers: list[Worker]) -> 
                 res.outcome = Outcome.SUCCEEDED
             if time.monotonic() >= next_report:
                 launcher.report_overdue()
+                launcher.reap_adopted()
                 next_report = time.monotonic() + 5.0
     finally:
         for fd in pidfds:
