@@ -1,9 +1,11 @@
-"""AsyncCheckpointer: prepare -> stage (blocking memcpy) -> write (worker) -> finalize (collective).
+"""AsyncCheckpointer: prepare -> stage (blocking memcpy) -> write (writer) -> agree -> commit
+(rank 0's writer) -> agree on the outcome. Each save's lifecycle is a :class:`SaveState`.
 
 Collaborators: :class:`~trainguard.checkpointing.manager.CheckpointManager` (layout, commit,
-retention), the staging arenas and the persistent writer process (``_writer``), and the collective
-commit (``_commit``). One instance per rank; all ranks call ``save`` with the same steps in the
-same order, and ``maybe_finalize`` at the same points.
+retention), the staging arenas and the persistent writer process (``_writer``), the commit
+(``_commit``), directory reuse (``_reuse``) and the save-time loadability check
+(``checkpointing._loadable``). One instance per rank; all ranks call ``save`` with the same steps
+in the same order, and ``maybe_finalize`` at the same points.
 """
 
 from __future__ import annotations
