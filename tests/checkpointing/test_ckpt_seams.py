@@ -170,38 +170,46 @@ def test_collective_errors_are_mapped_by_type_and_duration_not_text(tmp_path):
         assert req.state is SaveState.COMMITTED
 
 
-@pytest.mark.timeout(90)
+def _blocked_s(ck: AsyncCheckpointer, state: dict, step: int) -> float:
+    t0 = time.perf_counter()
+    ck.save(state, step)
+    return time.perf_counter() - t0
+
+
+@pytest.mark.timeout(120)
 def test_first_save_after_start_does_not_wait_for_the_writer(tmp_path):
-    """Issue 14: the writer starts with the checkpointer (imports torch while training runs), so
-    the first save blocks only for its memcpy; warmup() also waits for it and pre-allocates."""
+    """Issue 14: the first save after start blocked ~1-2 s while the writer process started. The
+    writer starts with the checkpointer and again right after abort() (it imports torch while
+    training goes on); warmup(state) also pre-allocates the staging memory. A first save then
+    blocks < 50 ms more than a steady-state save of the same state (its memcpy, which this shared
+    2-core machine can slow down by itself)."""
     state = {f"t{i}": torch.randn(16, 1024) for i in range(15)}  # 1 MiB
     state["big"] = torch.randn(64 * 1024)
-    ck = AsyncCheckpointer(tmp_path / "a")
+    ck = AsyncCheckpointer(tmp_path, keep_last=1)
     try:
         assert ck.writer.pid is not None  # started by the constructor
+        ck.warmup(state, timeout=60)
+        assert ck.writer.ready and ck.pool.count() == 1
+        arena = ck.pool.free[0]
         state["big"].mul_(0.5)  # a training step ran (torch's intra-op thread pool is up)
-        t0 = time.perf_counter()
-        ck.save(state, 1)
-        blocked = time.perf_counter() - t0
-        print(f"first save blocked {blocked * 1e3:.1f} ms (writer ready: {ck.writer.ready})")
-        assert blocked < 0.05
+        first = _blocked_s(ck, state, 1)
+        assert next(iter(ck.pool.busy.values())) is arena  # the pre-allocated staging memory
         assert ck.wait() == [1] and ck.writer.starts == 1
+        steady = []
+        for step in (2, 3, 4):
+            steady.append(_blocked_s(ck, state, step))
+            ck.wait()
         pid = ck.writer.pid
         ck.abort()  # an in-process restart: the next writer starts now, not at the next save
-        assert ck.writer.pid not in (None, pid)
-        t0 = time.perf_counter()
-        ck.save(state, 2)
-        print(f"first save after abort blocked {(time.perf_counter() - t0) * 1e3:.1f} ms")
-        assert time.perf_counter() - t0 < 0.05 and ck.wait() == [2]
+        assert ck.writer.pid not in (None, pid) and not ck.writer.ready
+        after_abort = _blocked_s(ck, state, 5)
+        typical = sorted(steady)[1]
+        print(f"first save {first * 1e3:.1f} ms, after abort {after_abort * 1e3:.1f} ms (writer "
+              f"ready: {ck.writer.ready}), steady state {typical * 1e3:.1f} ms")
+        assert first - typical < 0.05 and after_abort - typical < 0.05
+        assert ck.wait() == [5] and ck.writer.starts == 2
     finally:
         ck.close(finalize=False)
-    with AsyncCheckpointer(tmp_path / "b") as warm:
-        warm.warmup(state, timeout=60)
-        assert warm.writer.ready and warm.pool.count() == 1
-        arena = warm.pool.free[0]
-        warm.save(state, 1)
-        assert warm.pool.busy and next(iter(warm.pool.busy.values())) is arena  # no new arena
-        assert warm.wait() == [1]
 
 
 @pytest.mark.timeout(90)

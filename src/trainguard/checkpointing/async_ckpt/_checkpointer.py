@@ -1,9 +1,11 @@
-"""AsyncCheckpointer: prepare -> stage (blocking memcpy) -> write (worker) -> finalize (collective).
+"""AsyncCheckpointer: prepare -> stage (blocking memcpy) -> write (writer) -> agree -> commit
+(rank 0's writer) -> agree on the outcome. Each save's lifecycle is a :class:`SaveState`.
 
 Collaborators: :class:`~trainguard.checkpointing.manager.CheckpointManager` (layout, commit,
-retention), the staging arenas and the persistent writer process (``_writer``), and the collective
-commit (``_commit``). One instance per rank; all ranks call ``save`` with the same steps in the
-same order, and ``maybe_finalize`` at the same points.
+retention), the staging arenas and the persistent writer process (``_writer``), the commit
+(``_commit``), directory reuse (``_reuse``) and the save-time loadability check
+(``checkpointing._loadable``). One instance per rank; all ranks call ``save`` with the same steps
+in the same order, and ``maybe_finalize`` at the same points.
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ class AsyncCheckpointer(LoadMixin):
                               "for plain per-rank files")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
-        queued = [r.step for r in self.queue if r.step is not None]
+        queued = [r.step for r in tuple(self.queue) if r.step is not None]
         newest = max([*queued, *([self._newest] if self._newest is not None else [])], default=None)
         if newest is not None and step <= newest:
             refuse_step(step, newest, self._existing, self.world_size, self.format,
@@ -412,18 +414,20 @@ class AsyncCheckpointer(LoadMixin):
                 f"staging_budget_bytes={budget}; raise the budget or checkpoint fewer/smaller "
                 "tensors per rank (e.g. shard the state)")
         while not self.pool.can_acquire(nbytes):
-            oldest = next((r for r in self.queue if r.state is SaveState.WRITING), None)
+            oldest = next((r for r in tuple(self.queue) if r.state is SaveState.WRITING), None)
             if oldest is None:
                 break  # nothing in flight holds memory; acquire() replaces the free arenas
             self._pump(oldest, blocking=True)
 
     # -- worker replies ---------------------------------------------------------------------
+    # The queue is iterated through tuple() snapshots: a committer thread may finalize (pop)
+    # while the training thread saves (append), as in the demo.
     def _owes(self, req: SaveRequest) -> bool:
         """Does this rank's writer still owe a reply for ``req`` (its write or its commit)?"""
         return req.state is SaveState.WRITING or req.commit_pending
 
     def _fail_pending(self, message: str, dead: bool) -> None:
-        for req in self.queue:
+        for req in tuple(self.queue):
             if req.state is SaveState.WRITING:
                 req.state = SaveState.FAILED
                 req.record = {"ok": False, "error": message, "dead": dead}
@@ -463,7 +467,7 @@ class AsyncCheckpointer(LoadMixin):
 
     def _on_reply(self, reply: dict[str, Any], extra: bytes | None) -> None:
         if not reply.get("ready"):
-            req = next((r for r in self.queue if r.id == reply["id"]), None)
+            req = next((r for r in tuple(self.queue) if r.id == reply["id"]), None)
             if req is not None and reply.get("op") == "commit":
                 req.commit_pending, req.commit_record = False, reply
             elif req is not None and req.state is SaveState.WRITING:
@@ -471,7 +475,7 @@ class AsyncCheckpointer(LoadMixin):
                 req.record, req.extra = reply, extra
                 self.pool.release(req.id)
         # write_timeout counts from when the writer can work on a request, not from its queueing
-        for req in self.queue:
+        for req in tuple(self.queue):
             if self._owes(req):
                 req.deadline = Deadline(self.write_timeout_s)
 
@@ -670,9 +674,9 @@ class AsyncCheckpointer(LoadMixin):
     def _drop(self) -> None:
         """Kill the writer (unless idle and kept) and forget every queued save."""
         if not (self.keep_idle_writer and self.writer.alive()
-                and not any(self._owes(r) for r in self.queue)):
+                and not any(self._owes(r) for r in tuple(self.queue))):
             self.writer.kill()
-        for req in self.queue:
+        for req in tuple(self.queue):
             self.pool.release(req.id)
         self.queue.clear()
         self._group = None

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing.errors import (
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -41,8 +42,8 @@ class LoadMixin:
         steps = list(reversed(self.manager.committed_steps())) if self.rank == 0 else []  # type: ignore[union-attr]
         if self.use_dist:
             box = [steps]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0),
-                                       group=self._group)
+            self._collective(dist.broadcast_object_list, box,
+                             src=dist.get_global_rank(self._group, 0), group=self._group)
             steps = box[0]
         return steps
 
@@ -60,8 +61,6 @@ class LoadMixin:
             CheckpointNotFoundError: none (or ``step`` is not valid on every rank).
             CheckpointMismatchError: the checkpoint has another world size.
         """
-        from trainguard.checkpointing.errors import CheckpointError
-
         if self.manager is None:
             raise ConfigError("loading needs AsyncCheckpointer(root=...)")
         self._ensure_group()
@@ -100,7 +99,9 @@ class LoadMixin:
              weights_only: bool = True) -> tuple[Any, int]:
         """Collective: this rank's torch-format state of the newest valid step; (state, step).
 
-        Corrupt or partial checkpoints are skipped (with a warning) on every rank alike.
+        Corrupt or partial checkpoints are skipped (with a warning) on every rank alike. With
+        ``weights_only`` (the default) NumPy arrays, scalars and RNG states load too. Resuming
+        this way lets ``save`` continue with steps after the loaded one.
         """
         s = self.find_valid_step(step)
         obj = self.manager.load_file(s, rank_file(self.rank), map_location, weights_only)  # type: ignore[union-attr]
