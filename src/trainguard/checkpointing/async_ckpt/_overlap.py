@@ -80,7 +80,7 @@ class OverlapGuard:
         self._hook: Any = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.fenced_steps = 0  # optimizer steps that had to wait for staging
+        self.fenced_steps = 0  # optimizer steps that found the copy still running
 
     @property
     def pending(self) -> bool:
@@ -145,8 +145,10 @@ class OverlapGuard:
 def _make_hook(ref: weakref.ref) -> Callable[..., None]:
     def tg_checkpoint_fence(optimizer: Any, args: Any, kwargs: Any) -> None:
         guard = ref()
-        if guard is not None and guard._job is not None:
-            guard.fenced_steps += 1
-            guard.wait()
+        job = None if guard is None else guard._job
+        if job is not None:
+            if not job.finished.is_set():
+                guard.fenced_steps += 1  # type: ignore[union-attr]
+            guard.wait()  # type: ignore[union-attr]
 
     return tg_checkpoint_fence
