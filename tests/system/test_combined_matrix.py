@@ -44,7 +44,7 @@ def _launch(root: Path, created: str, launch: str, plan: list[tuple[str, int]]) 
         "faults": [{"rank": r, "kind": k, "iteration": i} for i, (k, r) in enumerate(plan)],
         "ckpt_every": 3, "soft_timeout_s": SOFT_S, "hard_timeout_s": HARD_S,
     }
-    results = run_ranks("_matrix_rank:main", 4, timeout_s=300, pythonpath=[HERE],
+    results = run_ranks("_matrix_rank:main", 4, timeout_s=240, pythonpath=[HERE],
                         env={"TG_MATRIX": json.dumps(cfg), "TRAINGUARD_LOG_LEVEL": "WARNING"})
     for r in results:
         print(f"--- rank {r.rank}: exit {r.returncode}, {r.wall_s:.1f} s\n{r.stderr[-1500:]}")
@@ -101,7 +101,7 @@ def _check_launch(root: Path, launch: str, plan: list, results: list,
     return {kind: max(r["seen"].get(kind, 0) for r in finished) for kind in KINDS}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("created", ["outside", "inside"])
 def test_every_fault_with_every_checkpointer_fresh_then_reused(tmp_path: Path, created: str):
     first = _launch(tmp_path, created, "fresh", PLAN_A if created == "outside" else PLAN_B)
