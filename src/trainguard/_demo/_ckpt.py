@@ -227,12 +227,15 @@ class DemoCheckpoints:
         iteration: int,
     ) -> None:
         """Stage checkpoint ``step`` (collective: all active ranks); blocks for the state-dict
-        and the memcpy. Skipped (``checkpoint_skip``) while the previous one is in flight."""
+        and the memcpy. Skipped (``checkpoint_skip``) while the previous one is in flight, except
+        the last step's save, which waits for it: the final state is always checkpointed."""
         ckpt = self._checkpointer()
         t0 = time.perf_counter()
         skip = self._skip()  # every rank skips or saves alike
         vote_s = time.perf_counter() - t0
-        if skip:
+        if skip and step == self.config.steps:  # the final state is never skipped: wait
+            self._wait_committed(call_wrapper)
+        elif skip:
             self.log.emit("checkpoint_skip", step=step, iteration=iteration)
             return
         if self.rank == 0 and not self.measured_sync:  # once, outside the timed part
@@ -268,6 +271,19 @@ class DemoCheckpoints:
             stage_ms=round(req.stage_s * 1e3, 3),
             vote_ms=round(vote_s * 1e3, 3),
         )
+
+    def _wait_committed(self, call_wrapper: Any) -> None:
+        """Wait (pinging the wrapper) until this rank's save in flight is committed or failed.
+
+        Raises:
+            TimeoutError: not within the checkpointer's timeout (the wrapper restarts).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while self.busy.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint in flight not committed within {self.timeout_s} s")
+            call_wrapper.ping()
+            time.sleep(0.01)
 
     def _commit_loop(self, ckpt: AsyncCheckpointer) -> None:
         """Committer thread: finalize each staged save (collective, blocking), in order."""
