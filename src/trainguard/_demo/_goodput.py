@@ -44,7 +44,7 @@ import psutil
 
 from trainguard._core.clock import Deadline
 from trainguard._core.net import free_port
-from trainguard._core.procs import terminate_pids, terminate_processes
+from trainguard._core.procs import terminate_processes
 
 __all__ = ["KINDS", "GoodputConfig", "ModeRun", "fault_plan", "figures", "result_json",
            "run_modes"]
@@ -239,8 +239,7 @@ def run_mode(mode: str, cfg: GoodputConfig, work: str, plan: list[dict[str, Any]
         disk.stop.set()
         if disk.is_alive():
             disk.join(timeout=30)
-        terminate_processes(procs, grace_s=3.0)
-        terminate_pids(helpers, grace_s=3.0)
+        terminate_processes([*procs, *helpers], grace_s=3.0)
     codes = [p.returncode for p in procs]
     ok = not timed_out and (codes == [0] if mode == "baseline" else 0 in codes)
     t_train = None
