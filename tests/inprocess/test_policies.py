@@ -88,7 +88,7 @@ def test_five_restarts_then_abort():
     ra = default_rank_assignment()
     state = ra(RankAssignmentCtx(state, None, set())).state
     attempts = 0
-    with pytest.raises(RestartAbort, match="iteration 6"):
+    with pytest.raises(RestartAbort, match="iteration=6"):
         while True:
             ctl(state.freeze())
             attempts += 1

@@ -219,12 +219,15 @@ def test_filter_rejects_unindexed_terminated_set():
         MaxActiveWorldSize(2)(RankAssignmentCtx(fresh(0, 4), None, {1}))
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_filter_arguments_validated(bad):
     with pytest.raises(ConfigError):
         MaxActiveWorldSize(bad)
     with pytest.raises(ConfigError):
         ActiveWorldSizeDivisibleBy(bad)
+    with pytest.raises(ConfigError):
+        ActiveWorldSizeDivisibleBy(None)  # type: ignore[arg-type]
+    assert MaxActiveWorldSize(None).max_active_world_size is None  # NVRx's default: no cap
 
 
 # -- FilterCountGroupedByKey --------------------------------------------------------------------
