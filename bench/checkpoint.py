@@ -1,4 +1,5 @@
-"""Benchmark: async checkpoint blocking/durable time vs torch.save, DCP async_save and machine limits.
+"""Benchmark: async checkpoint blocking/durable time vs torch.save, DCP async_save and machine
+limits.
 
 Usage: python bench/checkpoint.py --size-mb 256 [--dir /path] [--repeats 5] [--nvrx-python PY]
        [--scenarios rounds,loop,dtensor] [--step-ms 200] [--loop-rounds 3] [--loop-steps 8]
@@ -9,14 +10,16 @@ Scenarios (all by default, in one run):
             in the same run: memcpy into an existing buffer, fsync'd write bandwidth to --dir.
   loop    - a training loop whose model + optimizer state is --size-mb MiB and whose step takes
             ~--step-ms, saving every step: step-time overhead and blocking time of the overlapped
-            snapshot, our blocking snapshot, DCP async_save and torch.save (see bench/_ckpt_loop.py).
+            snapshot, our blocking snapshot, DCP async_save and torch.save (see
+            bench/_ckpt_loop.py).
   dtensor - 2 gloo ranks: a DTensor state of --size-mb MiB vs plain tensors of the same size,
             saved in the dcp format until committed, then loaded resharded (bench/_ckpt_dtensor.py).
 loop and dtensor write to --fast-dir (tmpfs by default) so the writes keep up with a save per
 step and the figures measure the checkpointing software, not the disk. Prints rich tables, then
 exactly one JSON line.
 Also (rounds): the blocking time of the first save of a freshly created checkpointer, without and
-with ``warmup(state)`` (``first_save_block_s``, ``first_save_after_warmup_block_s``), and the longest
+with ``warmup(state)`` (``first_save_block_s``, ``first_save_after_warmup_block_s``), and the
+longest
 single non-blocking ``maybe_finalize()`` poll while a save is committed (``finalize_block_s``: what
 one training step can stall for the commit).
 """
@@ -208,10 +211,13 @@ def _rounds(args: argparse.Namespace, base: str) -> dict:
     for col in ("what", "blocking s", "durable s"):
         table.add_column(col)
     table.add_row("memcpy (limit)", f"{r['memcpy_s']:.4f}", "")
-    table.add_row(f"fsync'd write {r['disk_write_gbps']:.2f} GB/s (limit)", "", f"{disk_limit_s:.3f}")
+    table.add_row(f"fsync'd write {r['disk_write_gbps']:.2f} GB/s (limit)", "",
+                  f"{disk_limit_s:.3f}")
     table.add_row("torch.save + fsync", f"{r['torch_save_s']:.3f}", f"{r['torch_save_s']:.3f}")
-    table.add_row("DCP async_save", f"{r['dcp_async_block_s']:.4f}", f"{r['dcp_async_durable_s']:.3f}")
-    table.add_row("trainguard AsyncCheckpointer", f"{r['async_block_s']:.4f}", f"{r['async_durable_s']:.3f}")
+    table.add_row("DCP async_save", f"{r['dcp_async_block_s']:.4f}",
+                  f"{r['dcp_async_durable_s']:.3f}")
+    table.add_row("trainguard AsyncCheckpointer", f"{r['async_block_s']:.4f}",
+                  f"{r['async_durable_s']:.3f}")
     table.add_row("  its first save after creation", f"{r['first_save_block_s']:.4f}", "")
     warm = r["first_save_after_warmup_block_s"]
     table.add_row("  its first save after warmup(state)",

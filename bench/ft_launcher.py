@@ -5,7 +5,8 @@ Usage::
     python bench/ft_launcher.py [--ranks 2 4] [--faults 3] [--nvrx-python PY] [--skip-torchrun]
 
 Workload: a small DDP model over gloo on CPU that imports torch, builds its process group (on a
-per-attempt store prefix, which torchrun's restarts need) and DDP model at every (re)start and writes wall-clock stamps per rank (``start`` = first line of the
+per-attempt store prefix, which torchrun's restarts need) and DDP model at every (re)start and
+writes wall-clock stamps per rank (``start`` = first line of the
 script, ``first_step`` = first completed step of a cycle, ``crash`` = just before rank 1 raises).
 One launcher run injects ``--faults`` crashes (one per cycle, ``--max-restarts`` = faults), so
 every figure is a median over the faults, measured by the workload itself:

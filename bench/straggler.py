@@ -15,7 +15,8 @@ Measured in one run, each with its baseline:
   from step 200: windows from onset to the flag (inclusive), |estimated - injected loss| in
   points, where the injected loss is the what-if: 3 ms per step over the median step time after
   onset (``est_loss_error_measured_pct`` compares with the before/after step-time change
-  instead, which a loaded machine's drift distorts); ``whole_step_score_straggler``: the straggler's score for a whole-step section that
+  instead, which a loaded machine's drift distorts); ``whole_step_score_straggler``: the straggler's
+  score for a whole-step section that
   contains the all-reduce (NVRx's is given by ``nvrx_whole_step_score_straggler``);
 * ``false_positive_rate``: flagged (rank, window) pairs over scored pairs in 1000 uniform steps.
 
@@ -278,8 +279,8 @@ def _nvrx_runs(python: str, script: str, env: dict[str, str], n: int, compute_ms
     from trainguard._core.net import free_port
     from trainguard._core.procs import terminate_processes
 
-    out = subprocess.run([python, script, "mark", str(n)], env=env, capture_output=True, check=False,
-                         text=True, timeout=300)
+    out = subprocess.run([python, script, "mark", str(n)], env=env, capture_output=True,
+                         check=False, text=True, timeout=300)
     res = _parse_nvrx(out.stdout, out.stderr)
     cfg = json.dumps({"steps": steps, "compute_ms": compute_ms, "slow_rank": 1, "factor": 1.3})
     port = str(free_port())
@@ -315,7 +316,8 @@ def main() -> int:
     args = ap.parse_args()
     n = 20_000 if args.quick else args.marks
     res: dict[str, Any] = micro(n)
-    step_cost_us = res["step_marks_us"] + (res["window_close_us"] + res["window_summary_us"]) / WINDOW
+    window_us = res["window_close_us"] + res["window_summary_us"]
+    step_cost_us = res["step_marks_us"] + window_us / WINDOW
     res["step_cost_us"] = step_cost_us
     res["load_avg_1min"] = os.getloadavg()[0]
     res["step_overhead_pct"] = 100.0 * step_cost_us / 10_000.0

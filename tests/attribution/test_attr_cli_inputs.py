@@ -1,4 +1,5 @@
-"""``trainguard analyze`` with bad inputs and outputs, and the one pipeline behind every front end."""
+"""``trainguard analyze`` with bad inputs and outputs, and the one pipeline behind every front
+end."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Smoke test of ``bench/ft_launcher.py`` in its cheapest mode: 2 ranks, one crash, no baselines,
-no hang run. Checks the figures are present and plausible, not fast (the benchmark reports speed)."""
+no hang run. Checks the figures are present and plausible, not fast (the benchmark reports
+speed)."""
 
 import json
 import subprocess

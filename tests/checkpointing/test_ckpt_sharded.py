@@ -1,4 +1,5 @@
-"""Sharded state (FSDP2 / DTensor) in the dcp format: async save, reshard 2 -> 4 -> 2, DCP interop."""
+"""Sharded state (FSDP2 / DTensor) in the dcp format: async save, reshard 2 -> 4 -> 2, DCP
+interop."""
 
 from __future__ import annotations
 

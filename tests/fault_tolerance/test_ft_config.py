@@ -9,7 +9,8 @@ from trainguard.fault_tolerance.config import load_yaml_section
 
 def test_defaults_then_yaml_then_cli(tmp_path, monkeypatch):
     cfg_file = tmp_path / "job.yaml"
-    cfg_file.write_text("model: {a: 1}\nextra:\n  fault_tolerance:\n    rank_heartbeat_timeout: 40\n"
+    cfg_file.write_text("model: {a: 1}\nextra:\n  fault_tolerance:\n"
+                        "    rank_heartbeat_timeout: 40\n"
                         "    rank_section_timeouts: {step: 30, ckpt: null}\n"
                         "    safety_factor: 3\n")
     script = tmp_path / "s.py"

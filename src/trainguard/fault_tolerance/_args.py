@@ -1,4 +1,5 @@
-"""Command line of ``trainguard launch``: torch 2.13 torchrun flags, ``PET_*`` variables, ``--ft-*``.
+"""Command line of ``trainguard launch``: torch 2.13 torchrun flags, ``PET_*`` variables,
+``--ft-*``.
 
 Precedence: command line > ``PET_<DEST>`` environment variable > default (as torchrun's
 ``argparse_util.env``). Everything after the training script (or after ``--``) reaches the script

@@ -77,7 +77,8 @@ class Report:
     kernel timer, e.g. on CPU), ``section_relative_perf_scores`` /
     ``section_individual_perf_scores`` (``{section: {rank: score}}``), ``rank_to_node``,
     ``local_section_summaries`` (this rank's ``{section: {median, mad, p90, count}}``),
-    ``local_kernel_summaries``, ``generate_report_elapsed_time`` (ms), ``gather_on_rank0``, ``rank``.
+    ``local_kernel_summaries``, ``generate_report_elapsed_time`` (ms), ``gather_on_rank0``,
+    ``rank``.
     """
 
     window: int

@@ -16,7 +16,8 @@ Rules, per window after warm-up (``work`` = compute + data-loader wait, window m
 * communication: the step slowed against its own baseline while work did not and the collectives
   themselves got slower: the *smallest* wait over ranks (the last arriver's, i.e. the transfer
   without waiting for peers) grew by more than the floor and to more than twice
-  ``ratio_threshold`` times its baseline, while work stayed under ``clear_ratio`` times its own; a compute straggler makes the others wait longer but not the
+  ``ratio_threshold`` times its baseline, while work stayed under ``clear_ratio`` times its own; a
+  compute straggler makes the others wait longer but not the
   last arriver; reported only while no rank is relatively slow (that would explain the waits);
 * kind: ``data`` when the data-loader excess dominates, ``node`` when every rank of a node with
   two or more ranks is flagged (and not every rank of the job), ``imbalance`` when the rank has

@@ -1,7 +1,8 @@
 """Overlapped snapshots: stage in a background thread, fence optimizer steps until it is done.
 
 ``AsyncCheckpointer.save(..., overlap=True)`` returns before the large tensors are copied; the
-copy runs in a named thread (``tg-ckpt-stage``) while the next forward and backward run (torch releases the GIL in
+copy runs in a named thread (``tg-ckpt-stage``) while the next forward and backward run (torch
+releases the GIL in
 ``copy_``). A global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``) makes every ``optimizer.step()`` of
 the process wait for that copy, so the checkpoint is an exact snapshot of the state at ``save``.
