@@ -110,7 +110,8 @@ def test_a_rank_that_never_connects_while_client_timeouts_are_set_is_a_loud_erro
     script = tmp_path / "noclient.py"
     script.write_text("import time\ntime.sleep(60)\n")
     r = launch("--nproc-per-node", "1", "--max-restarts", "2",
-               "--ft-initial-rank-heartbeat-timeout", "1", "--ft-rank-heartbeat-timeout", "1", str(script))
+               "--ft-initial-rank-heartbeat-timeout", "1", "--ft-rank-heartbeat-timeout", "1",
+               str(script))
     assert r.rc == 93, r
     assert "rank 0 never connected to its rank monitor" in r.err
     assert "init_workload_monitoring()" in r.err
