@@ -46,8 +46,12 @@ def spawn_cold(mode: str, target: str, args: list[str], env: dict[str, str], out
     """A fresh ``python -u -m ..._bootstrap`` (or the bootstrap exec-ing ``--no-python``)."""
     cmd = [sys.executable, "-u", "-m", "trainguard.fault_tolerance._bootstrap", mode, target,
            *args]
+    # its own process group (Popen's process_group= exists from Python 3.11 on; before, a new
+    # session also makes the worker lead its own group)
+    group: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                             else {"start_new_session": True})
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out_fd,
-                            stderr=err_fd, process_group=0)
+                            stderr=err_fd, **group)
 
 
 class ForkServer:

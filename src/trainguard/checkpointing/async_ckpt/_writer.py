@@ -83,7 +83,7 @@ class WriterProcess:
         try:
             new = arena is not None and arena.name not in self.sent_arenas
             send_msg(self.sock.fileno(), _MSG, {**header, "arena_fd": new}, payload or b"")
-            if new:
+            if new and arena is not None and arena.fd is not None:
                 socket.send_fds(self.sock, [b"F"], [arena.fd])
                 self.sent_arenas.add(arena.name)
         except (OSError, ValueError, AttributeError) as exc:
