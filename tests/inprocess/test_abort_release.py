@@ -146,8 +146,9 @@ def _kind_double_fault(cw: CallWrapper, rank: int, cfg: dict) -> None:
     dist.destroy_process_group()
 
 
-_KINDS = {"double_fault": _kind_double_fault, "ddp_teardown": _kind_ddp_teardown, "ckpt_kill": _kind_ckpt, "ckpt_raise": _kind_ckpt, "subgroup": _kind_subgroup, "pg_init": _kind_pg_init,
-          "store_wait": _kind_store_wait, "plain_env": _kind_plain_env}
+_KINDS = {"double_fault": _kind_double_fault, "ddp_teardown": _kind_ddp_teardown,
+          "ckpt_kill": _kind_ckpt, "ckpt_raise": _kind_ckpt, "subgroup": _kind_subgroup,
+          "pg_init": _kind_pg_init, "store_wait": _kind_store_wait, "plain_env": _kind_plain_env}
 
 
 def rank_main() -> dict:

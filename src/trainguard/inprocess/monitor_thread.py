@@ -45,7 +45,8 @@ class reraise_if_unraisable(contextlib.ContextDecorator):
 
     While active, ``sys.unraisablehook`` is replaced: an unraisable ``exc_type`` is raised
     again, asynchronously, in the thread that entered the context (about 5 ms later, at its next
-    bytecode boundary); any other unraisable goes to the previous hook. The previous hook is restored on
+    bytecode boundary); any other unraisable goes to the previous hook. The previous hook is
+    restored on
     exit, also when the block raises. Use as a context manager or a decorator; not re-entrant
     across threads (the hook is process-wide).
 

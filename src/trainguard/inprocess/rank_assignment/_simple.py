@@ -138,7 +138,8 @@ class MaxActiveWorldSize(RankFilter):
 class ActiveWorldSizeDivisibleBy(RankFilter):
     """Round A down to a multiple of ``divisor``: A = floor(min(previous A, W) / d) * d.
 
-    ``divisor`` defaults to 1 (as NVRx). Ranks ``0 .. A-1`` are active. A may become 0 (no active rank); bound that with
+    ``divisor`` defaults to 1 (as NVRx). Ranks ``0 .. A-1`` are active. A may become 0 (no active
+    rank); bound that with
     ``RetryController(min_active_world_size=...)``.
 
     Raises:
