@@ -148,7 +148,8 @@ def test_commit_runs_in_the_writer_and_its_enospc_is_a_write_error(tmp_path, mon
     """Issue 14: manifest fsyncs and pruning run in the writer, not on the trainer's thread; a
     full disk at the manifest is still a CheckpointWriteError on the trainer."""
     ck = AsyncCheckpointer(tmp_path, keep_last=1,
-                           faults={2: {"phase": "commit", "action": "errno", "errno": errno.ENOSPC}})
+                           faults={2: {"phase": "commit", "action": "errno",
+                                       "errno": errno.ENOSPC}})
     try:
         ck.save(_state(1.0), 1)
         ck.wait()

@@ -41,12 +41,14 @@ def test_directory_of_an_earlier_run_is_resumed_or_refused_never_silently_pruned
             old.save(_state(float(step)), step)
         assert old.wait() == [28, 29, 30]
     with AsyncCheckpointer(tmp_path, keep_last=2) as ck:
-        with pytest.raises(ConfigError, match=r"step 5 is not newer than committed step 30") as info:
+        with pytest.raises(ConfigError,
+                           match=r"step 5 is not newer than committed step 30") as info:
             ck.save(_state(5.0), 5)
         print(info.value)
         for fix in ("load()", "new directory", "run_id"):
             assert fix in str(info.value)
-        assert ck.num_unfinalized == 0 and CheckpointManager(tmp_path).committed_steps() == [28, 29, 30]
+        assert ck.num_unfinalized == 0
+        assert CheckpointManager(tmp_path).committed_steps() == [28, 29, 30]
         obj, step = ck.load()  # resume from the earlier run ...
         assert step == 30 and obj["w"][0, 0].item() == 30.0
         ck.save(_state(35.0), 35)  # ... and continue it
@@ -95,7 +97,8 @@ def test_numpy_values_load_back_and_unloadable_values_are_refused_at_save(tmp_pa
         ck.save(state, 1)
         assert ck.wait() == [1]
         obj, _ = ck.load()  # weights_only=True (the default)
-        assert np.array_equal(obj["np"]["a"], state["np"]["a"]) and obj["np"]["s"] == np.float32(1.5)
+        assert np.array_equal(obj["np"]["a"], state["np"]["a"])
+        assert obj["np"]["s"] == np.float32(1.5)
         assert obj["np"]["rng"] == state["np"]["rng"] and obj["np"]["i"] == 3
         assert np.array_equal(obj["np"]["legacy_rng"][1], state["np"]["legacy_rng"][1])
         np.random.RandomState().set_state(obj["np"]["legacy_rng"])  # usable as saved

@@ -125,7 +125,8 @@ class AsyncCheckpointer(LoadMixin):
                  faults: dict[int, dict] | None = None, run_id: str | None = None) -> None:
         if format not in ("torch", "dcp"):
             raise ConfigError(f"format must be 'torch' or 'dcp', got {format!r}")
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        if (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+                or max_in_flight < 1):
             raise ConfigError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.write_timeout_s = as_seconds(write_timeout, "write_timeout")
         self.start_timeout_s = 120.0  # a writer that has not started after this is dead
@@ -139,7 +140,8 @@ class AsyncCheckpointer(LoadMixin):
                               "init_process_group first or pass use_dist=False")
         self.format, self.on_error, self.failed_saves = format, on_error, 0
         self.keep_idle_writer = bool(keep_idle_writer)
-        self.use_dist = dist.is_available() and dist.is_initialized() if use_dist is None else use_dist
+        self.use_dist = (dist.is_available() and dist.is_initialized() if use_dist is None
+                         else use_dist)
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
         root = join_run_id(root, run_id)

@@ -13,7 +13,8 @@ Fault injection (test seam): a request may carry ``fault`` = {"phase", "action",
 are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls), ``reply``
 (after the files are durable, before replying), ``commit`` (rank 0's writer, before the
 manifest) and ``commit:write``/``commit:fsync``/``commit:replace`` (patched during the commit;
-``target`` limits the fault to calls naming that file, e.g. ``latest``); actions ``exit``, ``sigkill``, ``hang``, ``errno``.
+``target`` limits the fault to calls naming that file, e.g. ``latest``); actions ``exit``,
+``sigkill``, ``hang``, ``errno``.
 """
 
 from __future__ import annotations
