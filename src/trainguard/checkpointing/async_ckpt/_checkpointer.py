@@ -379,10 +379,10 @@ class AsyncCheckpointer(LoadMixin):
               error: BaseException | None) -> None:
         """Hand a staged request to the writer (trainer thread), or fail it if staging failed."""
         req.stage_s = time.perf_counter() - req.t_submit
-        if req.state != "writing":
+        if req.state is not SaveState.WRITING:
             return  # dropped meanwhile (the writer died with it)
         if error is not None:
-            req.state = "failed"
+            req.state = SaveState.FAILED
             req.record = {"ok": False, "error": f"staging failed: {type(error).__name__}: "
                                                 f"{error}", "dead": False}
             self.pool.release(req.id)
