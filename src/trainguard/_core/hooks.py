@@ -12,11 +12,18 @@ from collections.abc import Callable
 
 from trainguard._core.logging import get_logger
 
-__all__ = ["register_reset_callback", "run_reset_callbacks", "unregister_reset_callback"]
+__all__ = [
+    "defer_to_restart",
+    "register_reset_callback",
+    "run_deferred_resets",
+    "run_reset_callbacks",
+    "unregister_reset_callback",
+]
 
 _log = get_logger("trainguard.core.hooks")
 _lock = threading.Lock()
 _callbacks: dict[str, Callable[[], None]] = {}
+_deferred: dict[str, Callable[[], None]] = {}
 
 
 def register_reset_callback(name: str, fn: Callable[[], None]) -> None:
@@ -40,5 +47,34 @@ def run_reset_callbacks() -> list[str]:
             fn()
         except Exception:  # noqa: BLE001 - a reset step must not stop the others
             _log.exception("reset callback %r failed", name)
+            failed.append(name)
+    return failed
+
+
+def defer_to_restart(name: str, fn: Callable[[], None]) -> None:
+    """Queue ``fn`` (keyed by ``name``) for :func:`run_deferred_resets`.
+
+    Reset callbacks run in the restart's monitor thread while the main thread may still be
+    inside the aborted iteration (in a collective, a finalize, a writer wait). A callback
+    must therefore only unblock there (signal a process, shut a socket) and defer the reset of
+    state the main thread uses (queues, process groups, handles) to this queue, which the
+    restart loop drains in the main thread once the aborted iteration has unwound.
+    """
+    with _lock:
+        _deferred[name] = fn
+
+
+def run_deferred_resets() -> list[str]:
+    """Run (once) what reset callbacks deferred; main thread, between iterations. Returns the
+    names whose function raised (logged)."""
+    with _lock:
+        items = list(_deferred.items())
+        _deferred.clear()
+    failed = []
+    for name, fn in items:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a reset step must not stop the others
+            _log.exception("deferred reset %r failed", name)
             failed.append(name)
     return failed

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainguard._core.hooks import run_deferred_resets
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier, wait_key
 from trainguard.inprocess import _coord as co
@@ -286,6 +287,7 @@ class LoopMixin:
         marks = [("interrupted", info.interrupt_time), ("caught", time.time())]
         reset_torch_distributed()
         _transport.clear()
+        run_deferred_resets()  # state resets the abort's callbacks left to the main thread
         self.iter_store = None
         frozen = self.state.freeze()
         if self.cfg.finalize is not None:

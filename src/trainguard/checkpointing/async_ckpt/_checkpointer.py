@@ -15,6 +15,7 @@ import itertools
 import os
 import pickle
 import signal
+import threading
 import time
 import weakref
 from collections import deque
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard._core.clock import Deadline, as_seconds
-from trainguard._core.hooks import register_reset_callback
+from trainguard._core.hooks import defer_to_restart, register_reset_callback
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing import _staging
 from trainguard.checkpointing._loadable import check_loadable
@@ -62,7 +63,13 @@ _ids = itertools.count(1)
 
 
 def abort_all_checkpointers() -> None:
-    """Reset callback for in-process restart: kill every writer, drop every in-flight save."""
+    """Reset callback for in-process restart: kill every busy writer, drop every in-flight save.
+
+    In the restart's monitor thread only the busy writers are signalled (that unblocks a main
+    thread waiting on them) and the rest of :meth:`AsyncCheckpointer.abort` is deferred to the
+    main thread (``_core.hooks.defer_to_restart``): the queue, the process group and the writer
+    handles are the main thread's, which may still be inside the aborted iteration.
+    """
     for ckpt in list(_INSTANCES):
         ckpt.abort()
 
@@ -162,6 +169,7 @@ class AsyncCheckpointer(LoadMixin):
         self._existing: ExistingRun | None = None  # an earlier run's newest commit, if any
         self._newest: int | None = None  # newest step committed in the directory
         self._closed = False
+        self._abort_pending = False  # set off the main thread by abort(); applied on it
         _INSTANCES.add(self)
         self._finalizer = weakref.finalize(self, _release, self.writer, self.pool)
         self.writer.ensure_started()  # the child imports torch while the trainer goes on
@@ -245,6 +253,7 @@ class AsyncCheckpointer(LoadMixin):
         Rank and world size are re-read with the group: after an in-process restart the
         default group (and this process's rank in it) may have changed.
         """
+        self._apply_pending_abort()
         if self.use_dist and self._group is None:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self._group = dist.new_group(backend="gloo",
@@ -285,6 +294,7 @@ class AsyncCheckpointer(LoadMixin):
             CheckpointTimeout: the previous overlapped copy did not finish within
                 ``write_timeout``.
         """
+        self._apply_pending_abort()
         if self.manager is None:
             raise ConfigError("save() needs AsyncCheckpointer(root=...); use async_save(obj, path) "
                               "for plain per-rank files")
@@ -381,10 +391,10 @@ class AsyncCheckpointer(LoadMixin):
               error: BaseException | None) -> None:
         """Hand a staged request to the writer (trainer thread), or fail it if staging failed."""
         req.stage_s = time.perf_counter() - req.t_submit
-        if req.state != "writing":
+        if req.state is not SaveState.WRITING:
             return  # dropped meanwhile (the writer died with it)
         if error is not None:
-            req.state = "failed"
+            req.state = SaveState.FAILED
             req.record = {"ok": False, "error": f"staging failed: {type(error).__name__}: "
                                                 f"{error}", "dead": False}
             self.pool.release(req.id)
@@ -497,6 +507,7 @@ class AsyncCheckpointer(LoadMixin):
             CheckpointError: a collective failed otherwise (a peer is gone), or ranks finalize
                 different saves.
         """
+        self._apply_pending_abort()
         self._overlap.wait(blocking)
         done: list[int | None] = []
         while self.queue:
@@ -667,11 +678,34 @@ class AsyncCheckpointer(LoadMixin):
         recreates the checkpointer's process group (re-reading rank and world size). With
         ``keep_idle_writer`` a writer that owes no reply is kept. Blocks for the SIGKILL and reap
         of the writer (milliseconds, at most about 5.5 s).
+
+        Called off the main thread (the in-process restart's monitor thread runs it through the
+        reset callbacks while the main thread may still be inside this checkpointer), it only
+        SIGKILLs a writer that owes a reply (so a main thread waiting on it wakes) and defers
+        the rest to the main thread: the restart loop runs it once the aborted iteration has
+        unwound (``_core.hooks.run_deferred_resets``), and any use of the checkpointer before
+        that applies it first. The queue, group and writer handles are never touched by two
+        threads at once (a cleared queue under ``maybe_finalize`` raised ``IndexError``, a
+        cleared group made the next collective run on the default group, and closing the
+        writer's handles twice could close a descriptor reused by a process-group socket).
         """
+        if threading.current_thread() is not threading.main_thread():
+            self._abort_pending = True
+            if not (self.keep_idle_writer and not any(self._owes(r) for r in tuple(self.queue))):
+                self.writer.signal_kill()
+            defer_to_restart(f"trainguard.checkpointing.async.{id(self)}",
+                             self._apply_pending_abort)
+            return
+        self._abort_pending = False
         self._overlap.drop()
         self._drop()
         if not self._closed:
             self.writer.ensure_started()
+
+    def _apply_pending_abort(self) -> None:
+        """Main thread: finish an abort requested from another thread (no-op otherwise)."""
+        if self._abort_pending and threading.current_thread() is threading.main_thread():
+            self.abort()
 
     def _drop(self) -> None:
         """Kill the writer (unless idle and kept) and forget every queued save."""

@@ -124,6 +124,19 @@ class WriterProcess:
         terminate_processes([self.proc], grace_s=min(grace_s, 2.0))
         self._close_handles()
 
+    def signal_kill(self) -> None:
+        """SIGKILL the writer without reaping it or closing handles (safe from any thread: the
+        owning thread sees the death through the pidfd and reaps it)."""
+        proc = self.proc
+        if proc is None:
+            return
+        import signal
+
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
     def kill(self) -> None:
         """SIGKILL and reap now (abort path)."""
         if self.proc is None:
