@@ -232,10 +232,12 @@ def terminate_processes(
         pids still alive after SIGKILL (normally empty).
 
     Blocks at most ``grace_s`` + :data:`REAP_S` seconds. Safe on processes that already exited;
-    the calling process and its ancestors are never signalled.
+    the calling process is never signalled, nor are its ancestors unless named in ``targets``
+    (a monitor process stopping its own trainer).
     """
-    mine = _own_lineage()
-    roots = [_Root(t) for t in targets if t is not None and _pid_of(t) not in mine]
+    me = os.getpid()  # a named target is signalled even if it is our ancestor (a monitor's
+    # trainer), but never the caller itself; descendants skip the caller and its ancestors
+    roots = [_Root(t) for t in targets if t is not None and _pid_of(t) != me]
     live = [r for r in roots if r.pid is not None and (groups or not r.done)]
     polite = Deadline(0.0 if first_signal == signal.SIGKILL else max(grace_s, 0.0))
     end = Deadline(polite.timeout_s + REAP_S)
