@@ -4,8 +4,8 @@ start-up, and a real full disk."""
 
 from __future__ import annotations
 
-import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -123,7 +123,7 @@ def _worker_cmd(sock: socket.socket) -> list[str]:
 def test_writer_exit_on_closed_pipe_is_one_line(when):
     """Issue 13.8: a raw BrokenPipeError traceback from the writer in a rank log during a normal
     restart. The trainer end closes (restart, abort, crash); the writer logs one line, exits 0."""
-    import multiprocessing.connection
+    from trainguard._core.ipc import FrameReader, decode_msg, send_msg
 
     parent, child = socket.socketpair()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -132,11 +132,10 @@ def test_writer_exit_on_closed_pipe_is_one_line(when):
     child.close()
     try:
         if when == "mid_request":
-            conn = multiprocessing.connection.Connection(os.dup(parent.fileno()))
-            assert conn.poll(30) and json.loads(conn.recv_bytes())["ready"]
-            conn.send_bytes(json.dumps({"op": "save", "id": 1, "arena": "a", "arena_fd": True})
-                            .encode())  # the descriptor never follows: the trainer is gone
-            conn.close()
+            assert select.select([parent], [], [], 30)[0], "the writer never said it was ready"
+            assert decode_msg(FrameReader(parent.fileno()).recv()[1])[0]["ready"]
+            send_msg(parent.fileno(), 1, {"op": "save", "id": 1, "arena": "a", "arena_fd": True})
+            # the descriptor never follows: the trainer is gone
         parent.close()
         _, err = proc.communicate(timeout=45)
     finally:
