@@ -105,6 +105,7 @@ class ScanState:
     rank_host: dict[int, str] = field(default_factory=dict)
     pid_rank: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     ip_host: dict[str, str] = field(default_factory=dict)
+    endpoints: set[str] = field(default_factory=set)  # configured store/rendezvous hosts
     world_size: int | None = None
     exit_records: list[tuple[int, str | None, int]] = field(default_factory=list)
     exits: list[ExitEvent] = field(default_factory=list)
@@ -169,6 +170,8 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
         state.world_size = max(state.world_size or 0, int(g["world"]))
     if "ip" in g and ctx.node:
         state.ip_host.setdefault(g["ip"], ctx.node)
+    if "endpoint" in g and len(state.endpoints) < 16:
+        state.endpoints.add(g["endpoint"])
     if "record_host" in g:
         state._record_host = g["record_host"]
     if "record_rank" in g:

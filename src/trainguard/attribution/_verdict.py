@@ -129,13 +129,38 @@ def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, category: s
         ranks = _laggards(state)
     else:
         ranks = res.ranks_of(ids)
+        nodes = res.nodes_of(ids) if reg.categories[category].nodes else set()
+        placed = bool(state.rank_host) or any(e.node for e in state.exits)
+        if not ranks and nodes and placed:  # a node's fault names no rank: ranks failing on it
+            return _sorted_or_none(res, _failed_on(state, res, nodes)
+                                   or _ranks_on(state, res, nodes))
+        if not ranks and reg.categories[category].nodes:  # unplaced: a rank's native crash
+            ranks = _native_crash_ranks(state, res, reg)
         if not ranks:  # the fault line names nobody: the processes the launchers saw fail
             ranks = set(res.failed_ranks)
-        if not ranks and reg.categories[category].nodes:  # a node's fault: its failing ranks
-            ranks = _ranks_on(state, res, res.nodes_of(ids))
+    return _sorted_or_none(res, ranks)
+
+
+def _sorted_or_none(res: Resolution, ranks: set[int]) -> list[int] | None:
     if not ranks or res.is_everyone(ranks):
         return None
     return sorted(ranks)
+
+
+def _failed_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
+    """Ranks whose own process a launcher reports failed on one of ``nodes``."""
+    return {r for e, r in zip(state.exits, res.exit_ranks) if r is not None
+            and e.code not in _TEARDOWN_CODES and e.node is not None and e.node in nodes}
+
+
+def _native_crash_ranks(state: ScanState, res: Resolution, reg: Registry) -> set[int]:
+    """Ranks that crashed natively (a CUDA or native error line): how a rank sees a device
+    fault that the driver reports without naming the rank (Xid, ECC, off the bus)."""
+    native = {c for c, cat in reg.categories.items()
+              if cat.domain == "unknown" and cat.decision == "RESTART" and cat.ranks
+              and c != "collective_timeout"}
+    return {r for pid, ms in state.matches.items() if ms and ms[0].pattern.role == "root"
+            and ms[0].pattern.category in native for r in res.ranks.get(pid, ())}
 
 
 def _ranks_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
@@ -207,6 +232,8 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     ids = _primary_ids(state, category, chosen)
     ranks = _culprit_ranks(state, reg, res, category, ids)
     nodes = sorted(res.nodes_of(ids)) if cat.nodes else []
+    if cat.nodes and not nodes and chosen and chosen[0].pattern.domain == "unknown":
+        nodes = sorted(state.endpoints)  # an unreachable store the error line does not name
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
