@@ -56,14 +56,19 @@ class AttributionClient:
         return self._call("GET", "/healthz")
 
     def submit(self, job_id: str, log_paths: list[str], cycle: int = 0,
-               fr_dir: str | None = None, job_ended: bool = True) -> dict[str, Any]:
+               fr_dir: str | None = None, job_ended: bool | None = None) -> dict[str, Any]:
         """Queue an analysis; returns the record (``id``, ``status``, ``coalesced``).
+
+        ``job_ended``: the caller knows the job (cycle) has ended; ``None`` leaves it to the
+        service's default, the one pipeline's ``JOB_ENDED_DEFAULT`` (the log decides).
 
         Raises:
             ServiceError: the service refused the request (status and error_code attached).
         """
-        body = {"job_id": job_id, "cycle": cycle, "log_paths": list(log_paths),
-                "fr_dir": fr_dir, "job_ended": job_ended}
+        body: dict[str, Any] = {"job_id": job_id, "cycle": cycle, "log_paths": list(log_paths),
+                                "fr_dir": fr_dir}
+        if job_ended is not None:
+            body["job_ended"] = job_ended
         return self._call("POST", "/v1/analyses", json=body)
 
     def get(self, analysis_id: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from trainguard.attribution._flight_recorder import analyze_flight_recorder
 from trainguard.attribution._registry import load_registry
 from trainguard.attribution.errors import LogInputError
 
-__all__ = ["JOB_ENDED_DEFAULT", "analyze"]
+__all__ = ["JOB_ENDED_DEFAULT", "analysis_part", "analyze"]
 
 #: The one default for ``job_ended``: the caller does not know, so the log decides (a log with
 #: progress and no failure or exit is ``in_progress``; a failed exit is never ``in_progress``).
@@ -60,9 +60,10 @@ def analyze(
 
     Returns:
         A JSON-ready dict: the analysis keys of :meth:`AnalysisResult.to_dict` (when logs were
-        given), ``flight_recorder`` (when ``fr_dir`` was), ``category_decision`` (the category
-        policy's answer), ``decision`` and ``reason`` (the restart agent's, ``None`` when dumps
-        alone show nothing stuck) and ``agent``.
+        given), ``flight_recorder`` (when ``fr_dir`` was), ``category_decision`` and
+        ``category_reason`` (the category policy's answer), ``decision`` and ``reason`` (the
+        restart agent's, ``None`` when dumps alone show nothing stuck) and ``agent``.
+        :func:`analysis_part` recovers the analysis record alone (what history holds).
 
     Raises:
         LogInputError: neither logs nor ``fr_dir``, or no log could be read.
@@ -81,7 +82,7 @@ def analyze(
         out = analyze_logs(logs, registry_path=registry_path, replace_registry=replace_registry,
                            job_ended=job_ended).to_dict()
         verdict = decide(out, history, policy)
-        out["category_decision"] = out["decision"]
+        out["category_decision"], out["category_reason"] = out["decision"], out["reason"]
         out["decision"], out["reason"] = verdict.decision, verdict.reason
         out["agent"] = verdict.to_dict()
     if fr_dir is not None:
@@ -110,3 +111,19 @@ def _merge_flight_recorder(out: dict[str, Any], fr_dir: str,
         # the log cannot say who hung; the dumps can
         out["culprit_ranks"] = fr["faulty_ranks"]
         out["reason"] += f" Flight recorder: ranks {fr['faulty_ranks']} are stuck."
+
+
+#: keys :func:`analyze` adds to the analysis record (the restart agent's and the dumps')
+_PIPELINE_KEYS = ("category_decision", "category_reason", "agent", "flight_recorder")
+
+
+def analysis_part(out: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The log analysis record inside an :func:`analyze` result: its own ``decision`` and
+    ``reason`` (the category policy's), without the agent's and the dumps' keys; ``None`` when
+    no log was analysed. This is what a job's history holds, cycle by cycle.
+    """
+    if "category_reason" not in out:
+        return None
+    part = {k: v for k, v in out.items() if k not in _PIPELINE_KEYS}
+    part["decision"], part["reason"] = out["category_decision"], out["category_reason"]
+    return part

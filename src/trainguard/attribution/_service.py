@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from trainguard.attribution._nvrx_routes import add_nvrx_routes
+from trainguard.attribution._pipeline import JOB_ENDED_DEFAULT
 from trainguard.attribution._svc_core import AnalysisService, ServiceConfig
 from trainguard.attribution._svc_security import (
     ApiError,
@@ -48,7 +49,7 @@ class SubmitRequest(BaseModel):
     log_paths: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list,
                                                                     max_length=1024)
     fr_dir: Annotated[str, Field(max_length=4096)] | None = None
-    job_ended: StrictBool = True
+    job_ended: StrictBool = JOB_ENDED_DEFAULT
 
 
 class Analysis(BaseModel):

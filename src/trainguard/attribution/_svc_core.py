@@ -16,14 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard._core.logging import get_logger
-from trainguard.attribution._agent import (
-    NO_FR_DECISION,
-    RestartPolicy,
-    decide,
-    decide_from_flight_recorder,
-)
-from trainguard.attribution._analyze import analyze_logs
-from trainguard.attribution._flight_recorder import analyze_flight_recorder
+from trainguard.attribution._agent import RestartPolicy
+from trainguard.attribution._pipeline import JOB_ENDED_DEFAULT, analysis_part, analyze
 from trainguard.attribution._store import ResultStore
 from trainguard.attribution._svc_security import ApiError, safe_path
 from trainguard.attribution.errors import AttributionError
@@ -156,8 +150,11 @@ class AnalysisService:
         return hashlib.sha256(raw.encode()).hexdigest()
 
     def submit(self, job_id: str, cycle: int, log_paths: list[str], fr_dir: str | None,
-               job_ended: bool = True) -> tuple[dict[str, Any], bool]:
+               job_ended: bool = JOB_ENDED_DEFAULT) -> tuple[dict[str, Any], bool]:
         """Validate and queue one analysis; returns (record, coalesced).
+
+        The analysis is :func:`trainguard.attribution.analyze` -- the one pipeline the CLI and
+        the launcher also call -- with the same ``job_ended`` default.
 
         Raises:
             ApiError: a path is invalid, outside the roots, missing or not readable.
@@ -186,23 +183,16 @@ class AnalysisService:
 
     def _analyse(self, rec: dict[str, Any]) -> dict[str, Any]:
         req = rec["request"]
-        analysis: dict[str, Any] | None = None
-        if req["log_paths"]:
-            analysis = analyze_logs(
-                req["log_paths"], job_ended=req.get("job_ended", True)).to_dict()
-        fr = None
-        if req.get("fr_dir"):
-            fr = analyze_flight_recorder(req["fr_dir"], within=self.cfg.allowed_roots).to_dict()
-        out: dict[str, Any] = {"analysis": analysis, "flight_recorder": fr}
-        history = self._history(rec["job_id"], rec["cycle"])
-        verdict = decide(analysis, history, self.cfg.policy) if analysis is not None else \
-            decide_from_flight_recorder(fr or {}, history, self.cfg.policy)
-        if verdict is None:
-            out["decision"], out["reason"] = None, NO_FR_DECISION
-        else:
-            out["agent"] = verdict.to_dict()
-            out["decision"], out["reason"] = verdict.decision, verdict.reason
-        return out
+        out = analyze(req["log_paths"], fr_dir=req.get("fr_dir"),
+                      history=self._history(rec["job_id"], rec["cycle"]),
+                      policy=self.cfg.policy, fr_within=self.cfg.allowed_roots,
+                      job_ended=req.get("job_ended", JOB_ENDED_DEFAULT))
+        result: dict[str, Any] = {"analysis": analysis_part(out),
+                                  "flight_recorder": out.get("flight_recorder"),
+                                  "decision": out["decision"], "reason": out["reason"]}
+        if out.get("agent") is not None:
+            result["agent"] = out["agent"]
+        return result
 
     def _run(self, rid: str) -> None:
         rec = self.store.get(rid)

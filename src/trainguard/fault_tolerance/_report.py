@@ -45,10 +45,11 @@ def _attribute(launcher: Launcher, res: CycleResult) -> str:
             result = done.get("result") or {}
             decision, reason = str(result.get("decision", "")), str(result.get("reason", ""))
         else:
-            from trainguard.attribution import analyze_logs
+            from trainguard.attribution import analyze
 
-            result_obj = analyze_logs([log], job_ended=True)
-            decision, reason = result_obj.decision, result_obj.reason
+            # the one pipeline (as the CLI and the service); this cycle is known to have ended
+            out = analyze([log], job_ended=True)
+            decision, reason = str(out["decision"]), str(out["reason"])
     except Exception as exc:  # noqa: BLE001 - attribution must never end the job by itself
         _log.warning("cycle %d: attribution unavailable: %s", res.cycle, exc)
         return ""
