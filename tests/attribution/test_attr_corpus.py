@@ -75,3 +75,42 @@ _CASE_ANSWERS = {
 def test_handed_case(name):
     got = _norm(analyze_logs([CASES / name]).to_dict())
     assert got == _CASE_ANSWERS[name]
+
+
+# The held-apart set (issue 12, second round) and the fresh set. Their labels are frozen as
+# scored; the remaining disagreements on a key are label conventions, kept visible:
+# h06 -- the analyser names the hosts (node-a/node-b: the NCCL prefix maps the pdsh IPs to
+#        them), the label the pdsh IPs;
+# h08 -- the analyser adds the client that could not connect, as handed case attribution-03
+#        does; the label names the endpoint only;
+# h20 -- torchrun reports exactly one failed process (rank 0); the label (config error, all
+#        ranks alike) names none.
+_HELD_KNOWN = {"h06.log": "culprit_nodes", "h08.log": "culprit_nodes", "h20.log": "culprit_ranks"}
+_HELD = [(d, lb) for d in ("heldout", "fresh")
+         for lb in json.loads((DATA / d / "labels.json").read_text())]
+
+
+@pytest.mark.parametrize("folder, label", _HELD, ids=[lb["file"] for _, lb in _HELD])
+def test_held_apart_log(folder, label):
+    got = _norm(analyze_logs([DATA / folder / label["file"]]).to_dict())
+    want = _norm(label)
+    assert (got["primary_category"], got["decision"]) == (
+        want["primary_category"], want["decision"]), (label["source"], got)
+    for key in LABEL_KEYS:
+        if _HELD_KNOWN.get(label["file"]) == key:
+            assert got[key] != want[key], f"{label['file']} {key} now right: drop it"
+            continue
+        assert got[key] == want[key], (label["file"], key, got[key], want[key])
+
+
+def test_held_apart_set_is_what_the_issue_asks():
+    labels = json.loads((DATA / "heldout" / "labels.json").read_text())
+    second = json.loads((DATA / "heldout" / "labels_second.json").read_text())
+    assert len(labels) >= 30 and {lb["split"] for lb in labels} == {"heldout"}
+    assert {lb["primary_category"] for lb in labels} == set(CATEGORIES)
+    launchers = {lb["launcher"] for lb in labels}
+    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun",
+                 "mpirun", "ray", "lightning", "accelerate", "submitit"):
+        assert need in launchers, need
+    assert [s["file"] for s in second] == [lb["file"] for lb in labels]
+    assert all(lb["source"].startswith("https://github.com/") for lb in labels)
