@@ -17,7 +17,14 @@ from trainguard.attribution import analyze_logs
 
 CORPUS = DATA / "corpus"
 LABELS = json.loads((CORPUS / "labels.json").read_text())
-FILES = [lb["file"] for lb in LABELS] + [f"../logs/run_{i:02d}.log" for i in range(1, 13)]
+#: every labelled log: corpus, handed logs, the fresh and the held-apart sets (paths from CORPUS)
+FILES = [lb["file"] for lb in LABELS] + [f"../logs/run_{i:02d}.log" for i in range(1, 13)] + [
+    f"../{d}/{lb['file']}" for d in ("fresh", "heldout")
+    for lb in json.loads((DATA / d / "labels.json").read_text())]
+#: labelled logs of runs still training (nothing failed): a failed exit appended must end that
+RUNNING = [f"../{d}/{lb['file']}" for d in ("corpus", "fresh", "heldout")
+           for lb in json.loads((DATA / d / "labels.json").read_text())
+           if lb["primary_category"] == "in_progress"]
 
 #: lines a launcher or library prints in healthy runs (no progress, no rank prefix)
 BENIGN_INFO = [
@@ -50,6 +57,13 @@ EXITS = [
     "status {pos}."),
     ("mpirun noticed that process rank 2 with PID 4242 on node node-03 exited on signal {num} "
     "(Aborted)."),
+    # the formats issue 12 names: pdsh-prefixed DeepSpeed, srun -l, torch 1.x elastic, launch.py
+    ("worker-1: [2024-05-01 11:00:00,000] [ERROR] [launch.py:325:sigkill_handler] ['python', "
+     "'-u', 'train.py', '--local_rank=7'] exits with return code = {code}"),
+    "srun: error: node-03: task {pos}: {signal}",
+    ("ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: {code}) local_rank: 0 "
+     "(pid: 4243) of binary: /usr/bin/python3"),
+    "[node-02] srun: error: node-02: tasks 4-7: {signal}",
 ]
 PROGRESS = ["step {i} loss 1.{i}", " 12%|#         | {i}/512 [01:12<2:01:33, 14.38s/it]",
             "iteration {i}/ 1000 | lm loss: 2.1E+00", "Epoch: [2]  [{i}/7393]  eta: 0:50:44"]
@@ -111,3 +125,43 @@ def test_adding_a_benign_line_anywhere_keeps_the_answer(tmp_path, name, line, da
     want = _answer("\n".join(base) + "\n", tmp_path, "a.log")
     got = _answer("\n".join(base[:at] + [line] + base[at:]) + "\n", tmp_path, "b.log")
     assert got == want, (name, at, line)
+
+
+@_SETTINGS
+@given(name=st.sampled_from(RUNNING), exit_line=st.sampled_from(EXITS),
+       code=st.sampled_from([-9, -11, -6, 1, 137]), pos=st.integers(1, 255),
+       sig=st.sampled_from(["KILL", "SEGV"]), signal=st.sampled_from(["Killed", "Aborted"]),
+       num=st.sampled_from([6, 9, 11]), tail=st.integers(0, 3))
+def test_a_running_log_with_a_failed_exit_is_never_continue(tmp_path, name, exit_line, code, pos,
+                                                            sig, signal, num, tail):
+    """A real log of a run still training, plus one launcher line reporting a failed exit
+    (followed by up to three more progress lines from other ranks): never CONTINUE."""
+    base = (CORPUS / name).read_text().splitlines()
+    assert _answer("\n".join(base) + "\n", tmp_path, "a.log")["decision"] == "CONTINUE"
+    extra = [exit_line.format(code=code, pos=pos, sig=sig, signal=signal, num=num)]
+    extra += [PROGRESS[0].format(i=9000 + i) for i in range(tail)]
+    got = _answer("\n".join(base + extra) + "\n", tmp_path, "b.log")
+    assert got["decision"] != "CONTINUE", (name, extra, got)
+
+
+@_SETTINGS
+@given(name=st.sampled_from(FILES), data=st.data())
+def test_shuffling_a_logs_own_info_lines_keeps_the_answer(tmp_path, name, data):
+    """Permute the benign INFO lines already in a real log (NCCL INFO, library INFO lines)
+    among their own positions: the answer must not move."""
+    base = (CORPUS / name).read_text().splitlines()
+    at = [i for i, ln in enumerate(base) if _is_benign_info(ln)]
+    order = data.draw(st.permutations(at)) if len(at) >= 2 else at
+    out = list(base)
+    for dst, src in zip(at, order):
+        out[dst] = base[src]
+    want = _answer("\n".join(base) + "\n", tmp_path, "a.log")
+    assert _answer("\n".join(out) + "\n", tmp_path, "b.log") == want, (name, at, order)
+
+
+def _is_benign_info(line: str) -> bool:
+    """A line that only reports a healthy step of setup: NCCL INFO lines that carry no error
+    return code (``-> N``), and INFO lines of a Python logger."""
+    if " NCCL INFO " in line:
+        return "->" not in line and "error" not in line.lower()
+    return " | INFO | " in line or line.startswith("INFO:")
