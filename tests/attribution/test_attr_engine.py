@@ -85,8 +85,12 @@ def test_line_numbers_stable_across_chunks(write_log):
     ("[rank2]: ValueError: Loss is nan, stopping training\n", "nan_or_inf", [2], None, "STOP"),
     ("slurmstepd: error: *** JOB 77 ON node-01 CANCELLED AT 2024-01-01T00:00:00 ***\n",
      "user_cancelled", None, None, "STOP"),
+    # slurmstepd prints this on a host that is still alive: node-04 reported, it did not fail
     (("slurmstepd: error: *** JOB 77 ON node-04 CANCELLED AT 2024-01-01T00:00:00 DUE TO NODE "
-     "FAILURE ***\n"), "node_failure", None, ["node-04"], "RESTART_EXCLUDE_NODES"),
+     "FAILURE ***\n"), "node_failure", None, None, "RESTART"),
+    (("srun: error: Node failure on node-12\nslurmstepd: error: *** JOB 77 ON node-04 CANCELLED "
+      "AT 2024-01-01T00:00:00 DUE TO NODE FAILURE ***\nsrun: error: node-04: task 0: Killed\n"),
+     "node_failure", None, ["node-12"], "RESTART_EXCLUDE_NODES"),
     (("[rank4]: RuntimeError: NCCL error in: NCCLUtils.hpp:219, unhandled cuda error, NCCL "
       "version 2.14.3\n"), "framework_crash", [4], None, "RESTART"),
     ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n", "network", None,
@@ -142,3 +146,26 @@ def test_custom_registry_row(tmp_path, write_log):
     res = analyze_logs([log], registry_path=str(reg))
     assert res.primary_category == "storage_full"
     assert res.evidence[0].pattern == "site_fs_evicted"
+
+
+@pytest.mark.parametrize("shift", [-40, -1, 0, 1, 7, 200])
+def test_block_boundaries_do_not_move_lines(write_log, shift):
+    """The scanner reads 1 MiB blocks and joins only the line split across two of them: a fault
+    line placed across (or right at) a block boundary is found, on its own line number, and the
+    last progress line is the last one written."""
+    from trainguard.attribution import _scan
+
+    filler = "[rank1]: iteration {i:8d}/ 999999 | lm loss: 2.000000E+00 | pad " + "x" * 40 + "\n"
+    lines, size, i = [], 0, 0
+    fault = "[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    while size < _scan._CHUNK + shift - len(fault) // 2:
+        lines.append(filler.format(i=i))
+        size, i = size + len(lines[-1]), i + 1
+    lines.append(fault)
+    fault_line = len(lines)
+    lines += [filler.format(i=i + k) for k in range(3)] + ["tail without newline"]
+    res = analyze_logs([write_log("".join(lines))])
+    print("fault at byte", size, "block", _scan._CHUNK, "line", fault_line)
+    assert (res.primary_category, res.culprit_ranks) == ("cuda_oom", [3])
+    assert res.evidence[0].line == fault_line
+    assert res.last_step == i + 2 and res.lines == len(lines)
