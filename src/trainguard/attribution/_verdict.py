@@ -46,6 +46,7 @@ _UNREADABLE = ("no input file looks like a text log (see warnings), so nothing c
 _STRONG = 20.0
 _TEARDOWN_CODES = {-15, 143, -1}
 _CANCEL = "user_cancelled"
+_NATIVE = "framework_crash"  # a process's own view of a device fault it cannot name
 
 
 @dataclass
@@ -130,12 +131,13 @@ def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, category: s
     else:
         ranks = res.ranks_of(ids)
         nodes = res.nodes_of(ids) if reg.categories[category].nodes else set()
+        # ranks are placed on hosts when a launcher or a prefix said where a rank ran
         placed = bool(state.rank_host) or any(e.node for e in state.exits)
         if not ranks and nodes and placed:  # a node's fault names no rank: ranks failing on it
             return _sorted_or_none(res, _failed_on(state, res, nodes)
                                    or _ranks_on(state, res, nodes))
         if not ranks and reg.categories[category].nodes:  # unplaced: a rank's native crash
-            ranks = _native_crash_ranks(state, res, reg)
+            ranks = _native_crash_ranks(state, res)
         if not ranks:  # the fault line names nobody: the processes the launchers saw fail
             ranks = set(res.failed_ranks)
     return _sorted_or_none(res, ranks)
@@ -153,14 +155,11 @@ def _failed_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
             and e.code not in _TEARDOWN_CODES and e.node is not None and e.node in nodes}
 
 
-def _native_crash_ranks(state: ScanState, res: Resolution, reg: Registry) -> set[int]:
-    """Ranks that crashed natively (a CUDA or native error line): how a rank sees a device
-    fault that the driver reports without naming the rank (Xid, ECC, off the bus)."""
-    native = {c for c, cat in reg.categories.items()
-              if cat.domain == "unknown" and cat.decision == "RESTART" and cat.ranks
-              and c != "collective_timeout"}
+def _native_crash_ranks(state: ScanState, res: Resolution) -> set[int]:
+    """Ranks that printed a native crash (a CUDA or native error line): how a rank sees a
+    device fault that the driver reports without naming the rank (Xid, ECC, off the bus)."""
     return {r for pid, ms in state.matches.items() if ms and ms[0].pattern.role == "root"
-            and ms[0].pattern.category in native for r in res.ranks.get(pid, ())}
+            and ms[0].pattern.category == _NATIVE for r in res.ranks.get(pid, ())}
 
 
 def _ranks_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
