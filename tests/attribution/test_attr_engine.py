@@ -85,6 +85,18 @@ def test_line_numbers_stable_across_chunks(write_log):
     ("[rank2]: ValueError: Loss is nan, stopping training\n", "nan_or_inf", [2], None, "STOP"),
     ("slurmstepd: error: *** JOB 77 ON node-01 CANCELLED AT 2024-01-01T00:00:00 ***\n",
      "user_cancelled", None, None, "STOP"),
+    # issue 12's kinds in wordings no labelled log uses
+    ("[rank2]: ValueError: gradient checkpointing cannot be used with use_cache=True\n",
+     "config_error", [2], None, "STOP"),
+    ("AssertionError: FlashAttention is only supported on sm80 or newer GPUs\n", "config_error",
+     None, None, "STOP"),
+    (("[rank0]: RuntimeError: [enforce fail at inline_container.cc:319] . unexpected pos 1900 vs "
+     "1872\n"), "checkpoint_error", [0], None, "STOP"),
+    (("2023-01-01 10:00:00 | INFO | train_inner | epoch 003:      5 / 356 loss=9.44, "
+     "nll_loss=8.44, ppl=347.28\n"), "in_progress", None, None, "CONTINUE"),
+    (("  rdzv_endpoint    : node-09:29400\nRendezvousConnectionError: The connection to the C10d "
+     "store has failed. See inner exception for details.\n"), "network", None, ["node-09"],
+     "RESTART"),
     # slurmstepd prints this on a host that is still alive: node-04 reported, it did not fail
     (("slurmstepd: error: *** JOB 77 ON node-04 CANCELLED AT 2024-01-01T00:00:00 DUE TO NODE "
      "FAILURE ***\n"), "node_failure", None, None, "RESTART"),
