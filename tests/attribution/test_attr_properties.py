@@ -127,7 +127,8 @@ def test_adding_a_benign_line_anywhere_keeps_the_answer(tmp_path, name, line, da
     assert got == want, (name, at, line)
 
 
-@_SETTINGS
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(RUNNING), exit_line=st.sampled_from(EXITS),
        code=st.sampled_from([-9, -11, -6, 1, 137]), pos=st.integers(1, 255),
        sig=st.sampled_from(["KILL", "SEGV"]), signal=st.sampled_from(["Killed", "Aborted"]),
