@@ -181,3 +181,12 @@ def test_block_boundaries_do_not_move_lines(write_log, shift):
     assert (res.primary_category, res.culprit_ranks) == ("cuda_oom", [3])
     assert res.evidence[0].line == fault_line
     assert res.last_step == i + 2 and res.lines == len(lines)
+
+
+def test_a_terminated_process_is_not_in_progress(write_log):
+    """Found by the running-log property: srun reporting exit code 143 (SIGTERM) after progress
+    lines made the log ``in_progress``/CONTINUE. A terminated process is not a culprit, but the
+    job is not running: ``unknown``/RESTART."""
+    res = analyze_logs([write_log("step 10 loss 1.0\nstep 11 loss 0.9\n"
+                                  "srun: error: node-02: task 1: Exited with exit code 143\n")])
+    assert (res.primary_category, res.decision, res.culprit_ranks) == ("unknown", "RESTART", None)

@@ -20,6 +20,8 @@ Selection, first that applies:
    nothing deeper becomes the primary and an abort after it stays its teardown;
 4. failed process exits reported by any launcher: the earliest, category from its code/signal
    (``exit_codes``), so a job whose launcher reports a failed exit never gets ``in_progress``;
+   a process only terminated (SIGTERM, 143) is not a culprit, but a log that reports one is not
+   ``in_progress`` either: ``unknown``;
 5. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
 6. ``unknown``.
 
@@ -108,6 +110,11 @@ def _select(state: ScanState, ev: _Evidence,
         exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
         return ev.reg.exit_codes.get(first.code, "unknown"), exits[:1], \
             f"only a launcher's report of a failed process exit (code {first.code})"
+    if state.exits:  # only terminations (SIGTERM): whatever ran is not running any more
+        first = min(state.exits, key=lambda e: e.order)
+        exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
+        return "unknown", exits[:1], (f"a launcher reports a process terminated (code "
+                                      f"{first.code}) and nothing in the log says why")
     if state.last_progress is not None and not job_ended:
         return "in_progress", [], "training progress is logged and nothing has failed"
     return "unknown", [], "no failure or progress evidence in the log"
