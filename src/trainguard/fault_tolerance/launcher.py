@@ -60,7 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in check_timeout_chain(spec.ft, spec.rdzv_timeout_s):
         log.warning("timeout chain: %s", line)
     try:
+        if spec.multinode:
+            from trainguard.fault_tolerance._multinode import MultiNodeLauncher
+
+            return MultiNodeLauncher(spec).run()
         return Launcher(spec).run()
+    except LaunchConfigError as exc:
+        print(f"trainguard launch: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except LauncherError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
         return 1
