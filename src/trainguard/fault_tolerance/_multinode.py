@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ class MultiNodeLauncher(Launcher):
             "MASTER_ADDR": self.master[0], "MASTER_PORT": str(self.master[1]),
             "LOCAL_WORLD_SIZE": str(nproc), "TRAINGUARD_NODE": self.identity.name,
         })
+        if env.pop("TRAINGUARD_QUIET_CPP", None):
+            env.pop("TORCH_CPP_LOG_LEVEL", None)
         return env
 
     def _reserve_ports(self) -> tuple[list[socket.socket], int, int]:
@@ -121,10 +124,19 @@ class MultiNodeLauncher(Launcher):
 
     def _setup(self) -> None:
         self.rdzv = Rendezvous(self.spec, self.identity, self._lease_w)
+        self.rdzv.interrupted = self._pending_stop
         self.rdzv.start()
         _log.info("node %s joined rendezvous generation %d of run %r (lease %.3g s)",
                   self.identity.name, self.rdzv.gen, self.spec.run_id, self.spec.lease_s)
         super()._setup()
+
+    def _pending_stop(self) -> int:
+        """A SIGTERM/SIGINT/SIGHUP/SIGQUIT received outside a cycle (others are dropped)."""
+        stops = [s for s in self.take_signals()
+                 if s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)]
+        if stops:
+            self._signals.insert(0, stops[0])  # keep it visible until handled
+        return stops[0] if stops else 0
 
     def _healthy(self) -> str:
         for check in self.health_checks:
@@ -163,6 +175,11 @@ class MultiNodeLauncher(Launcher):
         """Handle a non-member outcome; None = go round again (or run, for a member)."""
         rdzv = self.rdzv
         assert rdzv is not None
+        if rnd.kind == "signalled":
+            _log.warning("received signal %s while not training: leaving the rendezvous",
+                         rnd.detail)
+            self._final = "left"
+            return 128 + int(rnd.detail)
         if rnd.kind == "fenced":
             return self._fenced()
         if rnd.kind == "done":

@@ -386,7 +386,7 @@ class Round:
     """The outcome of joining round ``n``: ``members`` maps name -> token in group-rank order."""
 
     n: int
-    kind: str  # member | spare | retry | done | fenced | too_few
+    kind: str  # member | spare | retry | done | fenced | too_few | signalled
     members: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # name,tok,addr
     group_rank: int = -1
     detail: str = ""
@@ -405,6 +405,7 @@ class Rendezvous:
         self.gen = -1
         self.keys = _Keys(spec.run_id, 0)
         self.keeper: LeaseKeeper | None = None
+        self.interrupted: Callable[[], int] = lambda: 0  # pending SIGTERM-like signal, or 0
 
     def call(self, fn: Callable[[dist.Store], Any], deadline_s: float | None = None) -> Any:
         return self.ds.call(fn, deadline_s)
@@ -615,6 +616,9 @@ class Rendezvous:
     def _state(self, n: int) -> Round | None:
         """A terminal or superseding state seen by the lease keeper, else None."""
         assert self.keeper is not None
+        signum = self.interrupted()
+        if signum:
+            return Round(n, "signalled", detail=str(signum))
         if self.keeper.fenced:
             return Round(n, "fenced")
         if self.keeper.done:

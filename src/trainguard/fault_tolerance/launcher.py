@@ -22,6 +22,7 @@ Follows: ``torchrun`` (torch 2.13 flags, ``PET_*`` variables, worker environment
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -61,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("timeout chain: %s", line)
     try:
         if spec.multinode:
+            if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # before torch loads: no C++ stack
+                os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # dumps per store retry
+                os.environ["TRAINGUARD_QUIET_CPP"] = "1"  # (workers get the default back)
             from trainguard.fault_tolerance._multinode import MultiNodeLauncher
 
             return MultiNodeLauncher(spec).run()
