@@ -1,5 +1,6 @@
-"""Worker for the multi-node tests: ``mn_worker.py [--steps N] [--fail-node G] [--fail-cycle C]
-[--hang] [--exclude] [--sleep S]``.
+"""Worker for the multi-node tests:
+``mn_worker.py [--steps N] [--steps0 N] [--fail-node G] [--fail-cycle C] [--hang] [--exclude]
+[--sleep S]`` (``--steps0``: steps in cycle 0, default ``--steps``).
 
 Joins a gloo process group from the launcher's env, all-reduces its rank every step and prints
 ``result rank=R world=W group=G cycle=C sum=S`` at the end (S must be W*(W-1)/2). With
@@ -23,6 +24,8 @@ def opt(name: str, default: str) -> str:
 
 
 steps = int(opt("--steps", "10"))
+if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0:
+    steps = int(opt("--steps0", str(steps)))  # a long first cycle, to kill something in
 fail_node = int(opt("--fail-node", "-1"))
 fail_cycle = int(opt("--fail-cycle", "0"))
 pause = float(opt("--sleep", "0.05"))

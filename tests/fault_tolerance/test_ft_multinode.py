@@ -17,7 +17,7 @@ from trainguard._core.net import free_port
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "mn_worker.py")
-FAST = ["--ft-warm-restart", "false", "--monitor-interval", "0.05",
+FAST = ["--monitor-interval", "0.05",
         "--ft-workers-stop-timeout", "2", "--ft-rank-termination-grace", "0.5",
         "--ft-lease-s", "1.5", "--ft-lease-interval-s", "0.25", "--ft-attribution", "false"]
 
@@ -106,7 +106,7 @@ def _results(text: str) -> list[dict[str, int]]:
             for line in text.splitlines() if "result rank=" in line]
 
 
-def _finish(nodes: list[Node], timeout: float = 60.0) -> list[int]:
+def _finish(nodes: list[Node], timeout: float = 120.0) -> list[int]:
     return [n.wait(timeout) for n in nodes]
 
 
@@ -132,24 +132,24 @@ def test_sigkilled_launcher_is_replaced_by_a_parked_spare(cluster):
     survivor sees its lease lapse, the spare is promoted, the job completes; the spare never
     interrupted round 0."""
     ep = str(cluster.tmp / "rdzv.store")
+    args = ("--steps", "20", "--steps0", "3000")
     nodes = [cluster.launch(r, "--max-restarts", "2", endpoint=ep, conf="store_type=file",
-                            script_args=("--steps", "200")) for r in (0, 1)]
+                            script_args=args) for r in (0, 1)]
     for n in nodes:
         cluster.wait_for(n, r"start rank=\d world=2 group=\d cycle=0")
     spare = cluster.launch(2, "--max-restarts", "2", endpoint=ep, conf="store_type=file",
-                           script_args=("--steps", "20"))
+                           script_args=args)
     cluster.wait_for(spare, "parks as a hot spare")
     time.sleep(1.0)
     victim, survivor = nodes[1], nodes[0]
     victim.proc.kill()
-    m = cluster.wait_for(survivor, r"node node1 (lease lapsed|left)|round 0 ended", 20)
-    assert m
+    cluster.wait_for(survivor, r"round 1: node node0 is group rank 0 of 2 \(node0, node2\)", 30)
     assert survivor.wait(60) == 0, survivor.text[-4000:]
     assert spare.wait(30) == 0, spare.text[-4000:]
     res = _results(survivor.text) + _results(spare.text)
     assert sorted(r["rank"] for r in res) == [0, 1]
     assert all(r["world"] == 2 and r["cycle"] == 1 for r in res)
-    assert "cycle=0" not in spare.text.split("parks as a hot spare")[1].split("round 1")[0]
+    assert "cycle=0" not in spare.text  # parked through round 0
 
 
 def test_elastic_min_nodes_survivor_continues_alone_on_file_store(cluster):
@@ -157,7 +157,7 @@ def test_elastic_min_nodes_survivor_continues_alone_on_file_store(cluster):
     ep = str(cluster.tmp / "rdzv.store")
     nodes = [cluster.launch(r, "--max-restarts", "1", nnodes="1:2", endpoint=ep,
                             conf="store_type=file,last_call_timeout=1",
-                            script_args=("--steps", "200", "--sleep", "0.02"))
+                            script_args=("--steps", "10", "--steps0", "3000"))
              for r in (0, 1)]
     for n in nodes:
         cluster.wait_for(n, r"start rank=\d world=2")
@@ -171,7 +171,7 @@ def test_tcp_store_lost_every_node_exits_store_lost_within_lease(cluster):
     """The standalone store dies: every launcher stops its workers (self-fence) and exits 75
     within lease + 2 s; nothing keeps training alone."""
     store, port = cluster.store()
-    nodes = [cluster.launch(r, endpoint=f"127.0.0.1:{port}", script_args=("--steps", "400"))
+    nodes = [cluster.launch(r, endpoint=f"127.0.0.1:{port}", script_args=("--steps", "3000"))
              for r in (0, 1)]
     for n in nodes:
         cluster.wait_for(n, r"start rank=\d world=2")
@@ -208,7 +208,7 @@ def test_mismatched_nnodes_and_too_few_nodes(cluster):
 
 
 def test_excluded_node_leaves_and_a_spare_takes_its_place(cluster):
-    store, port = cluster.store()
+    _, port = cluster.store()
     ep = f"127.0.0.1:{port}"
     args = ("--steps", "12", "--fail-node", "1", "--exclude")
     nodes = [cluster.launch(r, "--max-restarts", "2", endpoint=ep, script_args=args)

@@ -536,7 +536,7 @@ class Rendezvous:
         assert self.keeper is not None
         keys, spec, st = self.keys, self.spec, self.st
         if self.call(lambda s: s.check([keys.r(n, "closed")])):
-            return Round(n, "spare", detail="round already closed")
+            return Round(n, "spare", detail="already closed")
         me = json.dumps({"name": self.identity.name, "rank": self.identity.node_rank,
                          "token": self.token, "addr": self.identity.addr})
 
@@ -610,7 +610,7 @@ class Rendezvous:
                                                 slots[k]["rank"] or 0, slots[k]["name"]))
         members = [(slots[k]["name"], slots[k]["token"], slots[k]["addr"]) for k in ordered]
         if my_slot not in chosen:
-            return Round(n, "spare", members, detail="round full")
+            return Round(n, "spare", members, detail="full")
         return Round(n, "member", members, ordered.index(my_slot))
 
     def _state(self, n: int) -> Round | None:
