@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -176,12 +177,16 @@ def test_tcp_store_lost_every_node_exits_store_lost_within_lease(cluster):
     for n in nodes:
         cluster.wait_for(n, r"start rank=\d world=2")
     store.kill()
-    t0 = time.monotonic()
-    codes = _finish(nodes, 20)
-    took = time.monotonic() - t0
+    killed, t0 = time.time(), time.monotonic()
+    codes = _finish(nodes, 30)
     assert codes == [75, 75], "\n".join(n.text[-3000:] for n in nodes)
-    assert took < 1.5 + 2.0 + 1.0, took  # lease + 2 s (+ process exit on a loaded machine)
-    assert all("store lost" in n.text for n in nodes)
+    assert time.monotonic() - t0 < 20  # bounded, never hung
+    for n in nodes:
+        assert "store lost" in n.text
+        events = [json.loads(line) for line in
+                  (cluster.tmp / f"logs{n.rank}" / "mn" / "launcher_events.jsonl").open()]
+        fenced = next(e["wall"] for e in events if e["event"] == "fenced")
+        assert fenced - killed < 1.5 + 2.0, fenced - killed  # workers stopped within lease+2
 
 
 def test_duplicate_identity_is_refused(cluster):
@@ -256,6 +261,7 @@ def test_bad_multinode_input_is_one_line_and_bounded(tmp_path, args, needle):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "trainguard.fault_tolerance.launcher", *args,
                            WORKER], capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                          check=False,
                           env={**os.environ, "TORCH_CPP_LOG_LEVEL": "FATAL"})
     assert proc.returncode == 2, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("trainguard launch: error")]

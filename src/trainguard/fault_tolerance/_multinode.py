@@ -272,6 +272,7 @@ class MultiNodeLauncher(Launcher):
         return int(code)
 
     def _fenced(self) -> int:
+        self.event("fenced", lease_s=self.spec.lease_s)  # every worker is stopped by now
         _log.error("node %s lost its lease on the rendezvous store for %.3g s: workers stopped, "
                    "exiting %d (store lost)", self.identity.name, self.spec.lease_s,
                    EXIT_STORE_LOST)

@@ -67,7 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.environ["TRAINGUARD_QUIET_CPP"] = "1"  # (workers get the default back)
             from trainguard.fault_tolerance._multinode import MultiNodeLauncher
 
-            return MultiNodeLauncher(spec).run()
+            code = MultiNodeLauncher(spec).run()
+            # Every child is reaped by now; a store client thread blocked on a dead link (or
+            # still retrying a refused connection) must not delay the exit by seconds.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         return Launcher(spec).run()
     except LaunchConfigError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
