@@ -87,7 +87,7 @@ class Cluster:
                 p.send_signal(signal.SIGTERM)
         for p in [n.proc for n in self.nodes] + self.extra:
             try:
-                p.wait(15)
+                p.wait(45)  # a launcher still preloading torch finishes that first
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
@@ -189,14 +189,22 @@ def test_tcp_store_lost_every_node_exits_store_lost_within_lease(cluster):
         assert fenced - killed < 1.5 + 2.0, fenced - killed  # workers stopped within lease+2
 
 
-def test_duplicate_identity_is_refused(cluster):
-    ep = f"127.0.0.1:{free_port()}"
-    first = cluster.launch(0, endpoint=ep, conf="is_host=1,join_timeout=30")
+def test_duplicate_identity_is_refused_and_a_dead_ones_replacement_accepted(cluster):
+    _, port = cluster.store()
+    ep = f"127.0.0.1:{port}"
+    first = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
+    peer = cluster.launch(1, nnodes="3", endpoint=ep, conf="join_timeout=60")
     cluster.wait_for(first, "joined rendezvous generation")
-    second = cluster.launch(0, endpoint=ep, conf="is_host=0,join_timeout=30")
-    assert second.wait(20) == 2
+    second = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
+    assert second.wait(30) == 2
     assert "already owned by a live launcher" in second.text
     assert first.proc.poll() is None
+    first.proc.kill()  # a restarted pod / requeued task comes back under the same identity
+    first.proc.wait(10)
+    cluster.wait_for(peer, "joined rendezvous generation 0")
+    third = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
+    cluster.wait_for(third, "the previous launcher .* is gone; this launcher replaces it")
+    cluster.wait_for(third, "joined rendezvous generation 0")
 
 
 def test_mismatched_nnodes_and_too_few_nodes(cluster):
