@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from trainguard._core.net import free_port
+from trainguard.fault_tolerance._args import parse_launch_args
+from trainguard.fault_tolerance.errors import LaunchConfigError
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "mn_worker.py")
@@ -256,13 +258,21 @@ def test_stale_file_store_of_an_earlier_job_gets_a_new_generation(cluster):
 @pytest.mark.parametrize("args,needle", [
     (["--nnodes", "2"], "needs --rdzv-endpoint"),
     (["--nnodes", "3:2", "--rdzv-endpoint", "h:1"], "MIN <= MAX"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--ft-lease-s", "1",
+      "--ft-lease-interval-s", "2"], "must be > 0 and below"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "trainguard/c10d"),
+])
+def test_bad_multinode_flags(args, needle):
+    with pytest.raises(LaunchConfigError, match=needle):
+        parse_launch_args([*args, WORKER])
+
+
+@pytest.mark.parametrize("args,needle", [
     (["--nnodes", "2", "--rdzv-endpoint", "/proc/nope/x.store", "--rdzv-conf",
       "store_type=file"], "file store is not writable"),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:PORT", "--rdzv-conf",
       "is_host=0,connect_timeout=2"], "unreachable"),
     (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:5"], "cannot resolve"),
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--ft-lease-s", "1",
-      "--ft-lease-interval-s", "2"], "must be > 0 and below"),
 ])
 def test_bad_multinode_input_is_one_line_and_bounded(tmp_path, args, needle):
     args = [a.replace("PORT", str(free_port())) for a in args]
