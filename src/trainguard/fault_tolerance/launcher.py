@@ -1,5 +1,5 @@
 """``trainguard launch`` / ``python -m trainguard.fault_tolerance.launcher``: a torchrun drop-in
-for one node with hang detection and fast in-job restart.
+with hang detection and fast in-job restart, on one node or several (``--nnodes MIN:MAX``).
 
 Exit codes (for schedulers):
 
@@ -12,6 +12,10 @@ Exit codes (for schedulers):
   ``--ft-max-no-progress-cycles`` cycles, an attribution STOP verdict with
   ``--ft-attribution-stop-action no-restart``, a rank that never connected to its monitor
   although client timeouts are configured, or a workload-control shutdown request;
+* ``75``  several nodes: store lost: this node could not renew its lease on the rendezvous
+  store for ``--ft-lease-s`` and stopped its workers (self-fence; requeue ok). With several
+  nodes, ``1`` also means too few nodes within the join timeout or this node was excluded, and
+  ``2`` a duplicate node identity or ``--nnodes`` different from the job's (see ``_multinode``);
 * ``128+N`` the launcher was stopped by signal N (forwarded to every worker, with
   ``--ft-term-timeout`` seconds of grace per rank before SIGKILL).
 
@@ -22,6 +26,7 @@ Follows: ``torchrun`` (torch 2.13 flags, ``PET_*`` variables, worker environment
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -60,7 +65,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in check_timeout_chain(spec.ft, spec.rdzv_timeout_s):
         log.warning("timeout chain: %s", line)
     try:
+        if spec.multinode:
+            if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # before torch loads: no C++ stack
+                os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # dumps per store retry
+                os.environ["TRAINGUARD_QUIET_CPP"] = "1"  # (workers get the default back)
+            from trainguard.fault_tolerance._multinode import MultiNodeLauncher
+
+            code = MultiNodeLauncher(spec).run()
+            # Every child is reaped by now; a store client thread blocked on a dead link (or
+            # still retrying a refused connection) must not delay the exit by seconds.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         return Launcher(spec).run()
+    except LaunchConfigError as exc:
+        print(f"trainguard launch: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except LauncherError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
         return 1
