@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from trainguard.fault_tolerance._identity import NodeIdentity, resolve_identity
 from trainguard.fault_tolerance.config import FaultToleranceConfig, load_yaml_section
 from trainguard.fault_tolerance.errors import LaunchConfigError
 
@@ -124,6 +125,11 @@ class LaunchSpec:
     script: str
     script_args: tuple[str, ...]
     ft: FaultToleranceConfig
+    identity: NodeIdentity | None = None  # _identity: node rank / run id and their sources
+    health_port: int | None = None  # --health-port (None: no endpoint)
+    health_check: str = ""  # --ft-health-check: 'module:function,...' or 'off'
+    health_check_timeout_s: float = 30.0  # --ft-health-check-timeout
+    dry_run: bool = False  # --dry-run / --print-env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
         flag = name.replace("_", "-")
         parser.add_argument(f"--ft-{flag}", f"--ft_{name}", dest=f"ft_{name}", default=None,
                             help=help_)
+    _add_node_flags(parser)
     return parser
+
+
+def _add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """Health checks, the health endpoint and --dry-run (see ``health`` and ``_identity``)."""
+    parser.add_argument("--health-port", "--health_port", dest="health_port", default=None,
+                        help="serve GET /health on this TCP port (a liveness probe; "
+                             "env PET_HEALTH_PORT; default: off)")
+    parser.add_argument("--ft-health-check", "--ft_health_check", dest="ft_health_check",
+                        default=None, help="extra node health checks run before every cycle: "
+                        "module:function,... ; 'off' skips every check, defaults included")
+    parser.add_argument("--ft-health-check-timeout", "--ft_health_check_timeout",
+                        dest="ft_health_check_timeout", default=None,
+                        help="seconds all health checks of a cycle may take together (30)")
+    parser.add_argument("--dry-run", "--print-env", dest="dry_run", action="store_true",
+                        default=None, help="print the resolved identity, ranks, endpoint and run "
+                        "id as JSON and exit 0 (nothing is started)")
 
 
 def _split(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
@@ -198,7 +221,44 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchSpec:
     values = {dest: _resolve(ns, dest, default, kind)
               for _, dest, default, kind, _ in _TORCHRUN}
     ft = _ft_config(ns)
+    values.update(_node_values(ns))
+    values["identity"] = _identity(ns, values)
     return _spec(values, rest[0], tuple(rest[1:]), ft)
+
+
+def _node_values(ns: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "health_port": _resolve(ns, "health_port", None, "int"),
+        "dry_run": bool(_resolve(ns, "dry_run", False, "flag")),
+        "health_check": str(ns.ft_health_check or "").strip(),
+    }
+    port = out["health_port"]
+    if port is not None and not 0 < port < 65536:
+        raise LaunchConfigError(f"--health-port must be 1..65535, got {port}")
+    raw = ns.ft_health_check_timeout
+    try:
+        timeout = 30.0 if raw is None else float(raw)
+    except ValueError:
+        raise LaunchConfigError(f"--ft-health-check-timeout: {raw!r} is not seconds") from None
+    if timeout <= 0:
+        raise LaunchConfigError(f"--ft-health-check-timeout must be > 0 seconds, got {timeout}")
+    out["health_check_timeout"] = timeout
+    return out
+
+
+def _identity(ns: argparse.Namespace, v: dict[str, Any]) -> NodeIdentity:
+    """Node rank, run id and default rendezvous host from the CLI and the engine's env."""
+    try:
+        cli_rank = None if ns.node_rank is None else int(ns.node_rank)
+    except ValueError:
+        raise LaunchConfigError(f"--node-rank: {ns.node_rank!r} is not a valid int") from None
+    endpoint = str(v["rdzv_endpoint"] or "")
+    host: str | None = endpoint.rpartition(":")[0] or endpoint or None
+    if host is None and (ns.master_addr is not None or os.environ.get("PET_MASTER_ADDR")):
+        host = str(v["master_addr"])
+    top = str(v["nnodes"]).split(":")[-1].strip()
+    return resolve_identity(cli_rank, ns.rdzv_id, os.environ, host, os.getpid(),
+                            int(top) if top.isdigit() else 1)
 
 
 def _resolve(ns: argparse.Namespace, dest: str, default: Any, kind: str) -> Any:
@@ -267,7 +327,8 @@ def _streams(flag: str, raw: str, nproc: int) -> dict[int, int]:
 def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultToleranceConfig
           ) -> LaunchSpec:
     nnodes = str(v["nnodes"])
-    if nnodes.split(":")[0] not in ("1",) or nnodes.split(":")[-1] not in ("1",):
+    multi = nnodes.split(":")[0] not in ("1",) or nnodes.split(":")[-1] not in ("1",)
+    if multi and not v["dry_run"]:
         raise LaunchConfigError(f"--nnodes {nnodes}: this version runs one node per job "
                                 "(multi-node comes later); use --nnodes 1")
     nproc = _nproc(v["nproc_per_node"])
@@ -282,9 +343,11 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
     master_port = v["master_port"]
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")
-    if endpoint and not v["standalone"]:
+    if endpoint and not v["standalone"] and not multi:
         host, _, port = endpoint.rpartition(":")
         master_port = _endpoint(host or endpoint, port, master_port)
+    elif endpoint and multi and endpoint.rpartition(":")[2].isdigit():
+        master_port = master_port or int(endpoint.rpartition(":")[2])  # --dry-run report only
     filt = str(v["local_ranks_filter"]).strip()
     try:
         ranks = frozenset(int(r) for r in filt.split(",") if r.strip()) if filt else None
@@ -292,20 +355,22 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
         raise LaunchConfigError(f"--local-ranks-filter: {filt!r} must be comma-separated "
                                 "integers") from None
     shutdown = v["shutdown_timeout"]
-    run_id = str(v["rdzv_id"])
+    ident: NodeIdentity = v["identity"]
     return LaunchSpec(
         nproc_per_node=nproc, max_restarts=int(v["max_restarts"]),
         monitor_interval_s=float(v["monitor_interval"]), role=str(v["role"]),
-        run_id=run_id if run_id != "none" else f"tg{os.getpid()}", module=bool(v["module"]),
+        run_id=ident.run_id, module=bool(v["module"]),
         no_python=bool(v["no_python"]), log_dir=v["log_dir"],
         redirects=_streams("--redirects", v["redirects"], nproc),
         tee=_streams("--tee", v["tee"], nproc), local_ranks_filter=ranks,
-        node_rank=int(v["node_rank"]), master_addr=str(v["master_addr"]),
+        node_rank=ident.node_rank or 0, master_addr=ident.rdzv_host or str(v["master_addr"]),
         master_port=master_port, virtual_local_rank=bool(v["virtual_local_rank"]),
         rdzv_timeout_s=rdzv_conf.get("timeout"),
         shutdown_timeout_s=float(shutdown) if shutdown is not None else None,
         signals_to_handle=_signal_names(str(v["signals_to_handle"])),
-        script=script, script_args=args, ft=ft)
+        script=script, script_args=args, ft=ft, identity=ident,
+        health_port=v["health_port"], health_check=v["health_check"],
+        health_check_timeout_s=v["health_check_timeout"], dry_run=v["dry_run"])
 
 
 def _signal_names(raw: str) -> tuple[str, ...]:
