@@ -205,3 +205,64 @@ def test_dry_run_bad_environment_exits_2_with_one_line(tmp_path, extra, fragment
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, lines
+
+
+# ---------------------------------------------------------------- the launcher under faked engines
+
+_ENV_DUMP = """import glob, json, os, sys, time
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+cycle = os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(f"env_{os.environ['RANK']}_{cycle}.json", "w") as fh:
+    json.dump({k: os.environ.get(k) for k in keys}, fh)
+t0 = time.monotonic()  # every rank dumps before any exits (a failure stops the others)
+while len(glob.glob(f"env_*_{cycle}.json")) < int(os.environ["WORLD_SIZE"]):
+    if time.monotonic() - t0 > 20:
+        sys.exit(9)
+    time.sleep(0.02)
+sys.exit(int(sys.argv[1]) if cycle == "0" else 0)
+"""
+
+
+def _run_launcher(tmp_path, env, *args):
+    (tmp_path / "dump.py").write_text(_ENV_DUMP)
+    return subprocess.run([sys.executable, "-m", "trainguard.fault_tolerance.launcher",
+                           "--log-dir", str(tmp_path / "logs"), "--ft-warm-restart", "false",
+                           "--monitor-interval", "0.05", "--ft-workers-stop-timeout", "2",
+                           *args], check=False, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env)
+
+
+def _dumps(tmp_path, cycle):
+    return {int(p.name.split("_")[1]): json.loads(p.read_text())
+            for p in tmp_path.glob(f"env_*_{cycle}.json")}
+
+
+def test_launcher_under_a_faked_single_node_slurm_job(tmp_path):
+    env = _clean_env(SLURM_JOB_ID="5150", SLURM_PROCID="0", SLURM_NNODES="1",
+                     SLURM_JOB_NODELIST="cn[042]", SLURM_NTASKS_PER_NODE="1", SLURM_LOCALID="0")
+    run = _run_launcher(tmp_path, env, "--nproc-per-node", "2", "--max-restarts", "1",
+                        "dump.py", "7")
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = _dumps(tmp_path, 0), _dumps(tmp_path, 1)
+    assert sorted(first) == sorted(second) == [0, 1]
+    for rank, env0 in first.items():
+        assert env0["LOCAL_RANK"] == str(rank) and env0["WORLD_SIZE"] == "2"
+        assert env0["GROUP_RANK"] == "0" and env0["TORCHELASTIC_RUN_ID"] == "5150"
+        assert env0["MASTER_ADDR"] == "127.0.0.1" and env0["TORCHELASTIC_MAX_RESTARTS"] == "1"
+    ports = {first[0]["MASTER_PORT"], second[0]["MASTER_PORT"]}
+    assert first[0]["MASTER_PORT"] == first[1]["MASTER_PORT"] and len(ports) == 2  # fresh/cycle
+    assert (tmp_path / "logs" / "5150" / "cycle_1.log").exists()  # run dir keyed by job id
+
+
+def test_launcher_under_a_faked_kubernetes_pod_exits_with_the_contract_codes(tmp_path):
+    env = _clean_env(PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_MAX_RESTARTS="0",
+                     PET_RDZV_ID="tj-9", JOB_COMPLETION_INDEX="0",
+                     KUBERNETES_SERVICE_HOST="10.0.0.1")
+    run = _run_launcher(tmp_path, env, "dump.py", "5")
+    assert run.returncode == 1, run.stderr[-3000:]  # failed, no restart left: requeue OK
+    dumps = _dumps(tmp_path, 0)
+    assert sorted(dumps) == [0, 1] and dumps[1]["TORCHELASTIC_RUN_ID"] == "tj-9"
+    run = _run_launcher(tmp_path, env, "--ft-health-check", "off", "--nnodes", "1",
+                        "--ft-max-no-progress-cycles", "1", "dump.py", "0")
+    assert run.returncode == 0, run.stderr[-3000:]
