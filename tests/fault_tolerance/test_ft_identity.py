@@ -173,7 +173,7 @@ def test_dry_run_on_slurm_multi_node(tmp_path):
     assert out["hosts"] == ["gpu001", "gpu002", "gpu003", "gpu004"]
     assert out["scheduler"] == "slurm"
     assert out["exit_codes"] == {"done": 0, "failed": 1, "bad_input": 2, "no_restart": 93,
-                                 "store_lost": 94, "unhealthy": 95}
+                                 "store_lost": 75, "unhealthy": 95}
     assert "kill-on-bad-exit=0" in proc.stderr
 
 

@@ -25,7 +25,7 @@ __all__ = [
 # Launcher exit codes beyond 0 (done), 1 (failed, restarts used up), 2 (bad input) and 93
 # (--ft-no-restart-exit-code, do not requeue); the full contract is in ``launcher``'s docstring
 # and checked against examples/slurm and examples/kubernetes by tests/fault_tolerance.
-EXIT_STORE_LOST = 94  # the rendezvous store was lost (lease not renewed): self-fenced, requeue ok
+EXIT_STORE_LOST = 75  # EX_TEMPFAIL: lost the store (lease lapsed), self-fenced; requeue ok
 EXIT_UNHEALTHY = 95  # this node failed its pre-cycle health checks: requeue ok (another node)
 
 

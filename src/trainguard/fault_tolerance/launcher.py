@@ -15,8 +15,8 @@ tests/fault_tolerance/test_ft_deploy_examples.py keeps them in sync):
   ``--ft-max-no-progress-cycles`` cycles, an attribution STOP verdict with
   ``--ft-attribution-stop-action no-restart``, a rank that never connected to its monitor
   although client timeouts are configured, or a workload-control shutdown request;
-* ``94``  (``errors.EXIT_STORE_LOST``) the rendezvous store was lost and this node fenced itself
-  (multi-node); requeue OK;
+* ``75``  (``errors.EXIT_STORE_LOST``, EX_TEMPFAIL) the rendezvous store was lost and this
+  node fenced itself (multi-node); requeue OK;
 * ``95``  (``errors.EXIT_UNHEALTHY``) this node failed its pre-cycle health checks
   (``trainguard.fault_tolerance.health``); requeue OK, preferably on another node;
 * ``128+N`` the launcher was stopped by signal N (forwarded to every worker, with
