@@ -67,8 +67,19 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "2", "SLURM_NNODES": "4",
     (0, {"PET_NODE_RANK": "7"}, 0, "--node-rank"),  # an explicit 0 still wins
 ])
 def test_node_rank_precedence(cli, env, rank, source):
-    ident = resolve_identity(cli, None, env, "gpu001", pid=11)
+    ident = resolve_identity(cli, None, env, "gpu001", pid=11, nnodes_max=8)
     assert (ident.node_rank, ident.source) == (rank, source)
+
+
+@pytest.mark.parametrize("cli, env, source, nnodes", [
+    (None, {**SLURM, "SLURM_NNODES": "1"}, "SLURM_PROCID", 1),  # a multi-task step, --nnodes 1
+    (None, {"PET_NODE_RANK": "4"}, "PET_NODE_RANK", 4),
+    (4, {}, "--node-rank", 4),
+])
+def test_node_rank_beyond_nnodes_is_refused(cli, env, source, nnodes):
+    pattern = rf"node rank \d \(from {source}\) must be < --nnodes {nnodes}"
+    with pytest.raises(LaunchConfigError, match=pattern):
+        resolve_identity(cli, None, env, "gpu001", pid=1, nnodes_max=nnodes)
 
 
 @pytest.mark.parametrize("cli, env, run_id, source", [
@@ -114,13 +125,15 @@ def test_slurm_without_endpoint_uses_first_host_and_the_note_is_logged_once(capl
 ])
 def test_loopback_endpoint_on_a_multi_node_job_is_refused(env, host):
     with pytest.raises(LaunchConfigError, match="loopback") as info:
-        resolve_identity(None, None, env, host, pid=1)
+        resolve_identity(None, None, env, host, pid=1, nnodes_max=4)
     assert "--rdzv-endpoint" in str(info.value)
 
 
 def test_loopback_is_fine_on_one_node_or_when_simulating():
-    resolve_identity(None, None, {**SLURM, "SLURM_NNODES": "1"}, "127.0.0.1", pid=1)
-    resolve_identity(None, None, {**SLURM, "TRAINGUARD_SIMULATED_NODES": "1"}, "127.0.0.1", pid=1)
+    resolve_identity(None, None, {**SLURM, "SLURM_NNODES": "1", "SLURM_PROCID": "0"},
+                     "127.0.0.1", pid=1)
+    resolve_identity(None, None, {**SLURM, "TRAINGUARD_SIMULATED_NODES": "1"}, "127.0.0.1", pid=1,
+                     nnodes_max=4)
     assert is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.1.2.3")
 
 
