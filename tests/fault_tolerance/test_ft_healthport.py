@@ -100,3 +100,41 @@ def _running(url: str) -> bool:
     except httpx.TransportError:
         return False
     return r.status_code == 200 and r.json()["state"] == "running"
+
+
+def test_probe_stays_200_through_a_crash_and_restart(tmp_path, port):
+    """Legitimate waits (stopping the failed cycle, health checks, spawning) never fail the
+    probe; the state walks running -> restarting -> running and the cycle counter follows."""
+    script = tmp_path / "crash_once.py"
+    script.write_text(
+        "import os, sys, time\ncycle = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "time.sleep(1.0)\nsys.exit(3 if cycle == 0 else 0)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--log-dir",
+         str(tmp_path), "--rdzv-id", "hr", "--ft-warm-restart", "false", "--monitor-interval",
+         "0.05", "--max-restarts", "1", "--nproc-per-node", "2", "--health-port", str(port),
+         str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    url = f"http://127.0.0.1:{port}/health"
+    seen: list[tuple[int | None, str, int]] = []
+    try:
+        assert wait_until(lambda: _probe(url) is not None, 30, 0.05), "no health endpoint"
+        while proc.poll() is None:
+            try:
+                r = httpx.get(url, timeout=1.0)
+                seen.append((r.status_code, r.json()["state"], r.json()["cycle"]))
+            except httpx.TransportError:
+                if proc.poll() is None:  # only the launcher's exit may end the answers
+                    seen.append((None, "", -1))
+            time.sleep(0.05)
+        _out, err = proc.communicate(timeout=10)
+    finally:
+        terminate_processes([proc], grace_s=2)
+    assert proc.returncode == 0, err[-3000:]
+    # the server closes in the launcher's teardown: refusals are fine once it is stopping
+    stop_at = next((i for i, s in enumerate(seen) if s[1:] == ("stopping", 1)), len(seen))
+    bad = [s for s in seen[:stop_at] if s[0] != 200]
+    assert not bad, f"{len(bad)} failed probe(s) of {len(seen)}: {seen}"
+    assert all(s[0] in (200, None) for s in seen[stop_at:]), seen
+    states = [(state, cycle) for _, state, cycle in seen]
+    assert ("running", 0) in states and ("running", 1) in states, sorted(set(states))
