@@ -55,7 +55,7 @@ def test_bad_hostlist_is_one_clear_error(text, fragment):
 
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "2", "SLURM_NNODES": "4",
          "SLURM_JOB_NODELIST": "gpu[001-004]", "SLURM_NTASKS_PER_NODE": "1",
-         "SLURM_LOCALID": "0", "SLURM_NODEID": "2"}
+         "SLURM_LOCALID": "0", "SLURM_NODEID": "2", "SLURM_STEP_ID": "0"}
 
 
 @pytest.mark.parametrize("cli, env, rank, source", [
@@ -150,6 +150,8 @@ def test_several_launchers_on_one_slurm_node_are_refused(env):
 
 def test_one_task_per_node_passes():
     check_one_launcher_per_node({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)"})
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}  # the batch script itself
+    check_one_launcher_per_node({**batch, "SLURM_NTASKS_PER_NODE": "8"})
     check_one_launcher_per_node({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x2),4",
                                  "SLURM_NODEID": "1"})
 

@@ -293,8 +293,11 @@ def resolve_identity(cli_node_rank: int | None, cli_run_id: str | None,
 
 
 def _tasks_on_this_node(env: Mapping[str, str]) -> int:
-    """Tasks of this Slurm step on this node (``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_NTASKS_
-    PER_NODE``, e.g. ``2`` or ``2(x3),1``: the node's own entry by ``SLURM_NODEID``)."""
+    """Tasks of this ``srun`` step on this node (``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_NTASKS_
+    PER_NODE``, e.g. ``2`` or ``2(x3),1``: the node's own entry by ``SLURM_NODEID``); 1 outside a
+    step (the batch script itself runs once, whatever ``--ntasks-per-node`` it asked for)."""
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        return 1
     raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or ""
     counts: list[int] = []
     for part in raw.split(","):
@@ -311,8 +314,9 @@ def check_one_launcher_per_node(env: Mapping[str, str]) -> None:
     """Refuse several launchers of one Slurm step on one node.
 
     Two launchers on one node would each start ``--nproc-per-node`` workers on the same devices
-    and claim two node ranks. Detected from the step's tasks per node (> 1) or a task with
-    ``SLURM_LOCALID`` > 0. Lifted by ``TRAINGUARD_SIMULATED_NODES=1``. Pure, never blocks.
+    and claim two node ranks. Detected inside an ``srun`` step from its tasks per node (> 1) or
+    a task with ``SLURM_LOCALID`` > 0; the batch script itself (no ``SLURM_STEP_ID``) runs once
+    and passes. Lifted by ``TRAINGUARD_SIMULATED_NODES=1``. Pure, never blocks.
 
     Follows: NVRx ``ft_launcher`` (refuses unless ``NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1``).
 
