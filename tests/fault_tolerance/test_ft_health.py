@@ -18,6 +18,7 @@ from trainguard.fault_tolerance.health import (
     FreeMemoryCheck,
     HealthCheck,
     WritableDirCheck,
+    as_probe,
     default_checks,
     launch_checks,
     load_user_check,
@@ -50,6 +51,9 @@ def test_each_default_check_fails_for_real(tmp_path):
     assert "not writable" in by_name[f"writable({blocker / 'ckpt'})"]
     assert "MiB free, need" in by_name[f"disk_space({tmp_path / 'missing' / 'dir'})"]
     assert "MiB available, need" in by_name["free_memory"]
+    line = as_probe(checks, 10)()  # the rendezvous' pre-join hook: non-empty = unhealthy
+    assert all(f"{c.name}: " in line for c in checks), line
+    assert as_probe([FreeMemoryCheck(1)], 10)() == ""
 
 
 def test_a_raising_check_and_a_hung_check_fail_within_the_deadline():

@@ -190,6 +190,11 @@ def test_dry_run_on_slurm_multi_node(tmp_path):
     assert out["exit_codes"] == {"done": 0, "failed": 1, "bad_input": 2, "no_restart": 93,
                                  "store_lost": 75, "unhealthy": 95}
     assert "kill-on-bad-exit=0" in proc.stderr
+    store = str(tmp_path / "shared" / "rdzv.store")  # a file store: no host in the endpoint
+    proc = _dry(tmp_path, env, "--nnodes", "4", "--rdzv-conf", "store_type=file",
+                "--rdzv-endpoint", store)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["master_addr"] == "gpu001"
 
 
 def test_dry_run_on_kubernetes_pytorchjob_and_indexed_job(tmp_path):

@@ -254,6 +254,8 @@ def _identity(ns: argparse.Namespace, v: dict[str, Any]) -> NodeIdentity:
         raise LaunchConfigError(f"--node-rank: {ns.node_rank!r} is not a valid int") from None
     endpoint = str(v["rdzv_endpoint"] or "")
     host: str | None = endpoint.rpartition(":")[0] or endpoint or None
+    if host and "/" in host:
+        host = None  # a file-store path (store_type=file): no host
     if host is None and (ns.master_addr is not None or os.environ.get("PET_MASTER_ADDR")):
         host = str(v["master_addr"])
     top = str(v["nnodes"]).split(":")[-1].strip()

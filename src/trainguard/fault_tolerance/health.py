@@ -50,6 +50,7 @@ __all__ = [
     "HealthReport",
     "HealthResult",
     "WritableDirCheck",
+    "as_probe",
     "default_checks",
     "launch_checks",
     "load_user_check",
@@ -325,6 +326,16 @@ def run_health_checks(checks: Sequence[HealthCheck], timeout_s: float) -> Health
         out.append(results.get(i) or HealthResult(
             name, False, f"did not finish within {timeout_s:g} s", timeout_s))
     return HealthReport(tuple(out))
+
+
+def as_probe(checks: Sequence[HealthCheck], timeout_s: float) -> Callable[[], str]:
+    """One callable that runs ``checks`` (:func:`run_health_checks`, at most ``timeout_s``
+    seconds) and returns ``''`` when healthy, else the one-line :meth:`HealthReport.summary`:
+    the shape of a pre-join hook of the multi-node rendezvous (non-empty = unhealthy)."""
+    def probe() -> str:
+        return run_health_checks(checks, timeout_s).summary()
+
+    return probe
 
 
 def _run_one(chk: HealthCheck, i: int, results: dict[int, HealthResult]) -> None:
