@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +111,10 @@ def dry_run_report(spec: LaunchSpec) -> dict[str, Any]:
     ident = spec.identity
     node_rank = ident.node_rank if ident is not None else spec.node_rank
     nproc = spec.nproc_per_node
-    checks = launch_checks(spec.health_check, [spec.log_dir or "."], nproc)
+    run_dir = os.path.join(spec.log_dir, spec.run_id) if spec.log_dir else tempfile.gettempdir()
+    ckpt = spec.ft.checkpoint_iteration_file
+    dirs = [run_dir] + ([os.path.dirname(os.path.abspath(ckpt))] if ckpt else [])
+    checks = launch_checks(spec.health_check, dirs, nproc)  # listed, not run
     return {
         "node_rank": node_rank,
         "node_rank_source": ident.source if ident else "--node-rank",
