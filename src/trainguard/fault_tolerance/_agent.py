@@ -31,19 +31,22 @@ from trainguard._core.procs import describe_exit, terminate_processes
 from trainguard._core.shm import unique_prefix
 from trainguard.fault_tolerance import _cycle
 from trainguard.fault_tolerance._args import LaunchSpec
+from trainguard.fault_tolerance._healthport import HealthServer, LauncherState, Liveness
 from trainguard.fault_tolerance._logs import LogPump
 from trainguard.fault_tolerance._report import after_failure, print_summary
 from trainguard.fault_tolerance._slot import Slot
 from trainguard.fault_tolerance._spawn import ForkServer, Worker, spawn_cold
 from trainguard.fault_tolerance._sweeper import ENV_MARKER, marked_pids
 from trainguard.fault_tolerance.config import signal_number
-from trainguard.fault_tolerance.errors import LaunchConfigError, LauncherError
+from trainguard.fault_tolerance.errors import EXIT_UNHEALTHY, LaunchConfigError, LauncherError
+from trainguard.fault_tolerance.health import HealthCheck, launch_checks, run_health_checks
 
 __all__ = ["EXIT_FAILED", "Launcher"]
 
 _log = logging.getLogger("trainguard.fault_tolerance")
 EXIT_FAILED = 1  # a cycle failed and no restart is left (a limit of this allocation, requeue ok)
 _PR_SET_CHILD_SUBREAPER = 36
+_SETUP_WAIT_S = 180.0  # monitors (30 s each, concurrently) + fork server readiness (120 s)
 
 
 class _MonitorHandle:
@@ -80,11 +83,22 @@ class Launcher:
     """Runs one job on this node; :meth:`run` returns the exit code (see ``launcher`` docs)."""
 
     def __init__(self, spec: LaunchSpec) -> None:
+        """Raises LaunchConfigError: a ``--ft-health-check`` hook cannot be loaded or the
+        ``--health-port`` cannot be bound (nothing is left open then)."""
         self.spec = spec
         self.node = socket.gethostname().split(".")[0]
         self.launch_id = f"{spec.run_id}-{os.getpid()}-{secrets.token_hex(3)}"
         self.run_dir = os.path.abspath(os.path.join(spec.log_dir, spec.run_id)) if spec.log_dir \
             else tempfile.mkdtemp(prefix=f"trainguard_{spec.run_id}_")
+        self.health_checks: list[HealthCheck] = launch_checks(
+            spec.health_check, self._health_dirs(), spec.nproc_per_node)
+        # the loop ticks at least every --monitor-interval; stale after two missed ticks (>= 1 s)
+        self.liveness = Liveness(max(1.0, 2 * spec.monitor_interval_s))
+        self.liveness.info = {"pid": os.getpid(), "run_id": spec.run_id,
+                              "node_rank": spec.node_rank}
+        self.liveness.enter(LauncherState.RENDEZVOUS, 0, wait_s=_SETUP_WAIT_S)
+        self.health_server = HealthServer(self.liveness, spec.health_port) \
+            if spec.health_port is not None else None
         self.slots: list[Slot] = []
         self.monitors: list[_MonitorHandle] = []
         self.server: ForkServer | None = None
@@ -402,6 +416,7 @@ class Launcher:
         self.pump.open_cycle(os.path.join(self.run_dir, f"cycle_{cycle}.log"))
         t0 = time.monotonic()
         workers: list[Worker] = []
+        self.liveness.enter(LauncherState.RUNNING, cycle, wait_s=30.0)  # spawning
         try:
             for lr in range(self.spec.nproc_per_node):
                 workers.append(self._spawn(cycle, lr, port))
@@ -416,6 +431,10 @@ class Launcher:
                       "warm fork" if res.warm else "cold spawn", port)
             _cycle.watch_cycle(self, res, workers)
         finally:
+            last = res.outcome is not _cycle.Outcome.FAILED or cycle >= self.spec.max_restarts
+            ft = self.spec.ft
+            self.liveness.enter(LauncherState.STOPPING if last else LauncherState.RESTARTING,
+                                cycle, ft.workers_stop_timeout + ft.rank_termination_grace + 12.0)
             _cycle.stop_workers(self, res, workers)
             for m in self.monitors:
                 m.send({"op": "idle"})
@@ -433,12 +452,37 @@ class Launcher:
             self._setup()
             return self._loop()
         finally:
+            self.liveness.enter(LauncherState.STOPPING, wait_s=60.0)
             self._teardown()
+            if self.health_server is not None:
+                self.health_server.close()
             print_summary(self)
+
+    def _health_dirs(self) -> list[str]:
+        ckpt = self.spec.ft.checkpoint_iteration_file
+        return [self.run_dir] + ([os.path.dirname(os.path.abspath(ckpt))] if ckpt else [])
+
+    def check_node_health(self, cycle: int) -> bool:
+        """Run the node health checks before ``cycle`` (bounded by --ft-health-check-timeout);
+        False (logged, recorded as an event) when this node is unhealthy."""
+        if not self.health_checks:
+            return True
+        timeout = self.spec.health_check_timeout_s
+        self.liveness.enter(LauncherState.RENDEZVOUS, cycle, wait_s=timeout + 5.0)
+        report = run_health_checks(self.health_checks, timeout)
+        self.event("health_check", cycle=cycle, ok=report.ok,
+                   results=[{"name": r.name, "ok": r.ok, "reason": r.reason,
+                             "elapsed_s": round(r.elapsed_s, 3)} for r in report.results])
+        if not report.ok:
+            _log.error("node unhealthy before cycle %d: %s; not starting workers (exit %d)",
+                       cycle, report.summary(), EXIT_UNHEALTHY)
+        return report.ok
 
     def _loop(self) -> int:
         cycle = 0
         while True:
+            if not self.check_node_health(cycle):
+                return EXIT_UNHEALTHY
             res = self._run_cycle(cycle)
             self.results.append(res)
             if res.outcome is _cycle.Outcome.SUCCEEDED:
@@ -446,6 +490,7 @@ class Launcher:
             if res.outcome is _cycle.Outcome.SIGNALLED:
                 ok = res.exits and all(c == 0 for c in res.exits.values())
                 return 0 if ok else 128 + res.signum
+            self.liveness.enter(LauncherState.RESTARTING, cycle, wait_s=60.0)  # attribution
             code = after_failure(self, res)
             if code is not None:
                 return code

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from trainguard.fault_tolerance._identity import NodeIdentity, resolve_identity
 from trainguard.fault_tolerance.config import FaultToleranceConfig, load_yaml_section
 from trainguard.fault_tolerance.errors import LaunchConfigError
 
@@ -102,6 +103,8 @@ _FT: list[tuple[str, str]] = [
     ("pg_timeout", "process-group timeout of the workers, for the timeout-chain check (1800)"),
 ]
 
+_DEFAULT_RDZV_PORT = 29400  # torchrun's default for --rdzv-backend c10d
+
 # multi-node options outside FaultToleranceConfig: (flag, dest, default seconds, help)
 _LEASE: list[tuple[str, str, float | None, str]] = [
     ("--ft-lease-s", "lease_s", 5.0,
@@ -151,6 +154,11 @@ class LaunchSpec:
     def multinode(self) -> bool:
         """True when the job spans nodes (``--nnodes`` > 1 or a trainguard/c10d backend)."""
         return self.nnodes_max > 1 or self.rdzv_backend in ("trainguard", "c10d")
+    identity: NodeIdentity | None = None  # _identity: node rank / run id and their sources
+    health_port: int | None = None  # --health-port (None: no endpoint)
+    health_check: str = ""  # --ft-health-check: 'module:function,...' or 'off'
+    health_check_timeout_s: float = 30.0  # --ft-health-check-timeout
+    dry_run: bool = False  # --dry-run / --print-env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,7 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
         flag = name.replace("_", "-")
         parser.add_argument(f"--ft-{flag}", f"--ft_{name}", dest=f"ft_{name}", default=None,
                             help=help_)
+    _add_node_flags(parser)
     return parser
+
+
+def _add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """Health checks, the health endpoint and --dry-run (see ``health`` and ``_identity``)."""
+    parser.add_argument("--health-port", "--health_port", dest="health_port", default=None,
+                        help="serve GET /health on this TCP port (a liveness probe; "
+                             "env PET_HEALTH_PORT; default: off)")
+    parser.add_argument("--ft-health-check", "--ft_health_check", dest="ft_health_check",
+                        default=None, help="extra node health checks run before every cycle: "
+                        "module:function,... ; 'off' skips every check, defaults included")
+    parser.add_argument("--ft-health-check-timeout", "--ft_health_check_timeout",
+                        dest="ft_health_check_timeout", default=None,
+                        help="seconds all health checks of a cycle may take together (30)")
+    parser.add_argument("--dry-run", "--print-env", dest="dry_run", action="store_true",
+                        default=None, help="print the resolved identity, ranks, endpoint and run "
+                        "id as JSON and exit 0 (nothing is started)")
 
 
 def _split(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
@@ -229,7 +254,46 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchSpec:
               for _, dest, default, kind, _ in _TORCHRUN}
     ft = _ft_config(ns)
     values["lease_s"], values["lease_interval_s"] = ns.lease_s, ns.lease_interval_s
+    values.update(_node_values(ns))
+    values["identity"] = _identity(ns, values)
     return _spec(values, rest[0], tuple(rest[1:]), ft)
+
+
+def _node_values(ns: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "health_port": _resolve(ns, "health_port", None, "int"),
+        "dry_run": bool(_resolve(ns, "dry_run", False, "flag")),
+        "health_check": str(ns.ft_health_check or "").strip(),
+    }
+    port = out["health_port"]
+    if port is not None and not 0 < port < 65536:
+        raise LaunchConfigError(f"--health-port must be 1..65535, got {port}")
+    raw = ns.ft_health_check_timeout
+    try:
+        timeout = 30.0 if raw is None else float(raw)
+    except ValueError:
+        raise LaunchConfigError(f"--ft-health-check-timeout: {raw!r} is not seconds") from None
+    if timeout <= 0:
+        raise LaunchConfigError(f"--ft-health-check-timeout must be > 0 seconds, got {timeout}")
+    out["health_check_timeout"] = timeout
+    return out
+
+
+def _identity(ns: argparse.Namespace, v: dict[str, Any]) -> NodeIdentity:
+    """Node rank, run id and default rendezvous host from the CLI and the engine's env."""
+    try:
+        cli_rank = None if ns.node_rank is None else int(ns.node_rank)
+    except ValueError:
+        raise LaunchConfigError(f"--node-rank: {ns.node_rank!r} is not a valid int") from None
+    endpoint = str(v["rdzv_endpoint"] or "")
+    host: str | None = endpoint.rpartition(":")[0] or endpoint or None
+    if host and "/" in host:
+        host = None  # a file-store path (store_type=file): no host
+    if host is None and (ns.master_addr is not None or os.environ.get("PET_MASTER_ADDR")):
+        host = str(v["master_addr"])
+    top = str(v["nnodes"]).split(":")[-1].strip()
+    return resolve_identity(cli_rank, ns.rdzv_id, os.environ, host, os.getpid(),
+                            int(top) if top.isdigit() else 1)
 
 
 def _resolve(ns: argparse.Namespace, dest: str, default: Any, kind: str) -> Any:
@@ -318,6 +382,10 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
     master_port = v["master_port"]
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")
+    ident: NodeIdentity = v["identity"]
+    if multinode and not endpoint and ident.rdzv_host:
+        # Slurm: the job's first node hosts the store on torchrun's c10d default port
+        endpoint = f"{ident.rdzv_host}:{_DEFAULT_RDZV_PORT}"
     if multinode and not endpoint:
         raise LaunchConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (a TCP store) or "
                                 "a shared file path with --rdzv-conf store_type=file")
@@ -331,23 +399,24 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
         raise LaunchConfigError(f"--local-ranks-filter: {filt!r} must be comma-separated "
                                 "integers") from None
     shutdown = v["shutdown_timeout"]
-    run_id = str(v["rdzv_id"])
     return LaunchSpec(
         nproc_per_node=nproc, max_restarts=int(v["max_restarts"]),
         monitor_interval_s=float(v["monitor_interval"]), role=str(v["role"]),
-        run_id=run_id if run_id != "none" else f"tg{os.getpid()}", module=bool(v["module"]),
+        run_id=ident.run_id, module=bool(v["module"]),
         no_python=bool(v["no_python"]), log_dir=v["log_dir"],
         redirects=_streams("--redirects", v["redirects"], nproc),
         tee=_streams("--tee", v["tee"], nproc), local_ranks_filter=ranks,
-        node_rank=int(v["node_rank"] or 0), master_addr=str(v["master_addr"]),
+        node_rank=ident.node_rank or 0, master_addr=ident.rdzv_host or str(v["master_addr"]),
         master_port=master_port, virtual_local_rank=bool(v["virtual_local_rank"]),
         rdzv_timeout_s=rdzv_conf.get("timeout"),
         shutdown_timeout_s=float(shutdown) if shutdown is not None else None,
         signals_to_handle=_signal_names(str(v["signals_to_handle"])),
         script=script, script_args=args, ft=ft, nnodes_min=nmin, nnodes_max=nmax,
-        node_rank_given=v["node_rank"] is not None, rdzv_backend=backend,
+        node_rank_given=ident.node_rank is not None, rdzv_backend=backend,
         rdzv_endpoint=endpoint, rdzv_conf=_raw_conf(str(v["rdzv_conf"])),
-        local_addr=v["local_addr"], lease_s=lease_s, lease_interval_s=interval_s)
+        local_addr=v["local_addr"], lease_s=lease_s, lease_interval_s=interval_s,
+        identity=ident, health_port=v["health_port"], health_check=v["health_check"],
+        health_check_timeout_s=v["health_check_timeout"], dry_run=v["dry_run"])
 
 
 def _nnodes(raw: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainguard._core.procs import describe_exit, terminate_processes
+from trainguard.fault_tolerance._healthport import LauncherState
 from trainguard.fault_tolerance._slot import W
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ def watch_cycle(launcher: Launcher, res: CycleResult, workers: list[Worker]) -> 
             if launcher.server is not None and launcher.server.ready:
                 fds.append(launcher.server.fileno())
             ready, _, _ = select.select(fds, [], [], launcher.spec.monitor_interval_s)
+            launcher.liveness.tick()  # --health-port: the loop is alive
             _collect(launcher, res, by_pid, pidfds, ready)
             launcher.check_external(res, ready)
             if res.outcome is Outcome.RUNNING and all(w.exitcode == 0 for w in workers):
@@ -180,6 +182,7 @@ def _forward(launcher: Launcher, res: CycleResult, signum: int, workers: list[Wo
                 pass
         return
     grace = launcher.term_grace_s()
+    launcher.liveness.enter(LauncherState.STOPPING, wait_s=grace + 5.0)
     _log.warning("received %s: forwarding to %d worker(s), SIGKILL after %.1f s", name, len(live),
                  grace)
     res.outcome, res.signum = Outcome.SIGNALLED, signum

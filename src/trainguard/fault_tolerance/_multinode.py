@@ -6,9 +6,10 @@ a member that leaves ends round N everywhere: every node stops its workers and j
 (``TORCHELASTIC_RESTART_COUNT`` = N, the global cycle). A node that cannot renew its own lease
 stops its workers and exits :data:`EXIT_STORE_LOST`.
 
-Exit codes beyond the single-node ones: ``75`` store lost (self-fenced; requeue ok); ``1`` too
-few nodes within the join timeout, no restart left, or this node was excluded / failed its
-health check; ``2`` bad input, including a duplicate identity or mismatched ``--nnodes``.
+Exit codes beyond the single-node ones: ``75`` store lost (self-fenced; requeue ok); ``95``
+this node failed its health check (it left without closing the rendezvous); ``1`` too few nodes
+within the join timeout, no restart left, or this node was excluded; ``2`` bad input, including
+a duplicate identity or mismatched ``--nnodes``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainguard._core.store import StoreCallTimeout
 from trainguard.fault_tolerance import _cycle
 from trainguard.fault_tolerance._agent import EXIT_FAILED, Launcher
 from trainguard.fault_tolerance._args import LaunchSpec
+from trainguard.fault_tolerance._healthport import LauncherState
 from trainguard.fault_tolerance._rdzv import (
     EXIT_STORE_LOST,
     NodeIdentity,
@@ -34,7 +36,8 @@ from trainguard.fault_tolerance._rdzv import (
     resolve_identity,
 )
 from trainguard.fault_tolerance._report import after_failure
-from trainguard.fault_tolerance.errors import LaunchConfigError, LauncherError
+from trainguard.fault_tolerance.errors import EXIT_UNHEALTHY, LaunchConfigError, LauncherError
+from trainguard.fault_tolerance.health import as_probe
 
 __all__ = ["EXIT_STORE_LOST", "MultiNodeLauncher"]
 
@@ -49,7 +52,8 @@ class MultiNodeLauncher(Launcher):
     Args:
         spec: validated launch spec (``spec.multinode`` is True).
         health_checks: callables run before each join; one that raises or returns a non-empty
-            value marks the node unhealthy: it leaves without closing the rendezvous (exit 1).
+            value marks the node unhealthy: it leaves without closing the rendezvous (exit 95).
+            Default: the ``--ft-health-check`` checks (``health.launch_checks``) as one probe.
         identity: this node's identity (default :func:`resolve_identity`).
     """
 
@@ -57,7 +61,9 @@ class MultiNodeLauncher(Launcher):
                  identity: NodeIdentity | None = None) -> None:
         super().__init__(spec)
         self.identity = identity or resolve_identity(spec, os.environ)
-        self.health_checks = list(health_checks)
+        self.join_probes: list[HealthCheck] = list(health_checks) or (
+            [as_probe(self.health_checks, spec.health_check_timeout_s)]
+            if self.health_checks else [])
         self.group_rank = self.identity.node_rank or 0
         self.world_nodes = 1
         self.master: tuple[str, int] = ("127.0.0.1", 0)
@@ -148,7 +154,7 @@ class MultiNodeLauncher(Launcher):
         return stops[0] if stops else 0
 
     def _healthy(self) -> str:
-        for check in self.health_checks:
+        for check in self.join_probes:
             try:
                 out = check()
             except Exception as exc:  # noqa: BLE001 - any error means unhealthy
@@ -184,10 +190,12 @@ class MultiNodeLauncher(Launcher):
                 _log.error("node %s failed its health check (%s): leaving the rendezvous",
                            self.identity.name, sick)
                 self._final = "left"
-                return EXIT_FAILED
+                return EXIT_UNHEALTHY
             n, done = rdzv.current_round()
             if done:
                 return self._done(done)
+            self.liveness.enter(LauncherState.RENDEZVOUS, n,
+                                wait_s=rdzv.st.join_timeout_s + self.spec.lease_s + 5.0)
             rnd = rdzv.join(n)
             code = self._settle(rnd)
             if code is not None:
@@ -220,6 +228,7 @@ class MultiNodeLauncher(Launcher):
             _log.info("round %d is %s: node %s parks as a hot spare", rnd.n, rnd.detail,
                       self.identity.name)
             self.event("spare", round=rnd.n)
+            self.liveness.enter(LauncherState.RENDEZVOUS, rnd.n, wait_s=3600.0 + 5.0)  # parked
             while True:
                 state = rdzv.wait_change(rnd.n, 3600.0)
                 if state is not None:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from trainguard._core.clock import Deadline
 from trainguard._core.store import DeadlineStore
 from trainguard.fault_tolerance._args import LaunchSpec
-from trainguard.fault_tolerance.errors import LaunchConfigError, LauncherError
+from trainguard.fault_tolerance.errors import EXIT_STORE_LOST, LaunchConfigError, LauncherError
 
 __all__ = [
     "EXIT_STORE_LOST",
@@ -59,8 +59,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("trainguard.fault_tolerance")
-
-EXIT_STORE_LOST = 75  # EX_TEMPFAIL: this node lost its lease on the store and fenced itself
 
 
 class StoreLost(LauncherError):
@@ -92,14 +90,11 @@ def _route_addr(host: str) -> str | None:
 
 
 def resolve_identity(spec: LaunchSpec, environ: Mapping[str, str]) -> NodeIdentity:
-    """Node identity from ``--node-rank`` (CLI, then ``PET_NODE_RANK``), else the host name.
-
-    A seam: the full order (``SLURM_PROCID``, ``JOB_COMPLETION_INDEX``, sorted addresses) lives
-    in ``fault_tolerance._identity`` once merged; swap this call for it.
+    """This launcher's rendezvous identity: the node rank resolved by ``_identity`` (``--node-rank``
+    > ``PET_NODE_RANK`` > ``SLURM_PROCID`` > ``JOB_COMPLETION_INDEX``), else the host name (the
+    rendezvous then orders nodes by address).
     """
     rank = spec.node_rank if spec.node_rank_given else None
-    if rank is None and environ.get("PET_NODE_RANK", "").strip().isdigit():
-        rank = int(environ["PET_NODE_RANK"])
     host = socket.gethostname().split(".")[0]
     addr = spec.local_addr
     if not addr:

@@ -13,7 +13,20 @@ from __future__ import annotations
 
 from trainguard.errors import ConfigError, TrainguardError, TrainguardTimeout
 
-__all__ = ["LaunchConfigError", "LauncherError", "MonitorTimeout", "MonitorUnavailableError"]
+__all__ = [
+    "EXIT_STORE_LOST",
+    "EXIT_UNHEALTHY",
+    "LaunchConfigError",
+    "LauncherError",
+    "MonitorTimeout",
+    "MonitorUnavailableError",
+]
+
+# Launcher exit codes beyond 0 (done), 1 (failed, restarts used up), 2 (bad input) and 93
+# (--ft-no-restart-exit-code, do not requeue); the full contract is in ``launcher``'s docstring
+# and checked against examples/slurm and examples/kubernetes by tests/fault_tolerance.
+EXIT_STORE_LOST = 75  # EX_TEMPFAIL: lost the store (lease lapsed), self-fenced; requeue ok
+EXIT_UNHEALTHY = 95  # this node failed its pre-cycle health checks: requeue ok (another node)
 
 
 class LauncherError(TrainguardError):

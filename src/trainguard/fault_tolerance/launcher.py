@@ -1,21 +1,27 @@
 """``trainguard launch`` / ``python -m trainguard.fault_tolerance.launcher``: a torchrun drop-in
 with hang detection and fast in-job restart, on one node or several (``--nnodes MIN:MAX``).
 
-Exit codes (for schedulers):
+Exit codes (for schedulers; requeue = Slurm ``--requeue`` / a Kubernetes restart may help;
+examples/slurm and examples/kubernetes key their policies on exactly these values, and
+tests/fault_tolerance/test_ft_deploy_examples.py keeps them in sync):
 
 * ``0``   every worker of the final cycle exited 0 (also after a forwarded SIGTERM when every
   worker exited 0);
 * ``1``   a cycle failed and ``--max-restarts`` is used up (requeueing may help);
-* ``2``   bad input (unknown flag, invalid value, missing script or config, port in use); one
-  line on stderr says what and how to fix it;
+* ``2``   bad input (unknown flag, invalid value, missing script or config, port in use, a
+  loopback endpoint on a multi-node Slurm/Kubernetes job, several launchers on one Slurm node,
+  a ``--ft-health-check`` that cannot be loaded); one line on stderr says what and how to fix it;
 * ``93``  (``--ft-no-restart-exit-code``) do not requeue: no progress for
   ``--ft-max-no-progress-cycles`` cycles, an attribution STOP verdict with
   ``--ft-attribution-stop-action no-restart``, a rank that never connected to its monitor
   although client timeouts are configured, or a workload-control shutdown request;
-* ``75``  several nodes: store lost: this node could not renew its lease on the rendezvous
-  store for ``--ft-lease-s`` and stopped its workers (self-fence; requeue ok). With several
-  nodes, ``1`` also means too few nodes within the join timeout or this node was excluded, and
-  ``2`` a duplicate node identity or ``--nnodes`` different from the job's (see ``_multinode``);
+* ``75``  (``errors.EXIT_STORE_LOST``, EX_TEMPFAIL) several nodes: store lost: this node could
+  not renew its lease on the rendezvous store for ``--ft-lease-s`` and stopped its workers
+  (self-fence; requeue ok). With several nodes, ``1`` also means too few nodes within the join
+  timeout or this node was excluded, and ``2`` a duplicate node identity or ``--nnodes``
+  different from the job's (see ``_multinode``);
+* ``95``  (``errors.EXIT_UNHEALTHY``) this node failed its pre-cycle health checks
+  (``trainguard.fault_tolerance.health``); requeue OK, preferably on another node;
 * ``128+N`` the launcher was stopped by signal N (forwarded to every worker, with
   ``--ft-term-timeout`` seconds of grace per rank before SIGKILL).
 
@@ -25,12 +31,23 @@ Follows: ``torchrun`` (torch 2.13 flags, ``PET_*`` variables, worker environment
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from trainguard.fault_tolerance.errors import LaunchConfigError, LauncherError
+from trainguard.fault_tolerance.errors import (
+    EXIT_STORE_LOST,
+    EXIT_UNHEALTHY,
+    LaunchConfigError,
+    LauncherError,
+)
+
+if TYPE_CHECKING:
+    from trainguard.fault_tolerance._args import LaunchSpec
 
 __all__ = ["EXIT_BAD_INPUT", "main"]
 
@@ -58,10 +75,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = logging.getLogger("trainguard.fault_tolerance")
     try:
         spec = parse_launch_args(list(sys.argv[1:] if argv is None else argv))
-        check_master_port(spec)
+        if not spec.dry_run:
+            check_master_port(spec)
     except LaunchConfigError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if spec.dry_run:
+        try:
+            print(json.dumps(dry_run_report(spec), indent=1))
+        except LaunchConfigError as exc:
+            print(f"trainguard launch: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return 0
     for line in check_timeout_chain(spec.ft, spec.rdzv_timeout_s):
         log.warning("timeout chain: %s", line)
     try:
@@ -78,13 +103,59 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        return Launcher(spec).run()
+        launcher = Launcher(spec)
     except LaunchConfigError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except LauncherError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
         return 1
+    try:
+        return launcher.run()
+    except LauncherError as exc:
+        print(f"trainguard launch: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def dry_run_report(spec: LaunchSpec) -> dict[str, Any]:
+    """What ``--dry-run`` prints: the resolved identity, ranks, endpoint, run id, health options
+    and the exit-code contract. Starts nothing; loads ``--ft-health-check`` hooks to validate
+    them.
+
+    Raises:
+        LaunchConfigError: a ``--ft-health-check`` hook cannot be loaded.
+    """
+    from trainguard.fault_tolerance.health import launch_checks
+
+    ident = spec.identity
+    node_rank = ident.node_rank if ident is not None else spec.node_rank
+    nproc = spec.nproc_per_node
+    run_dir = os.path.join(spec.log_dir, spec.run_id) if spec.log_dir else tempfile.gettempdir()
+    ckpt = spec.ft.checkpoint_iteration_file
+    dirs = [run_dir] + ([os.path.dirname(os.path.abspath(ckpt))] if ckpt else [])
+    checks = launch_checks(spec.health_check, dirs, nproc)  # listed, not run
+    return {
+        "node_rank": node_rank,
+        "node_rank_source": ident.source if ident else "--node-rank",
+        "nproc_per_node": nproc,
+        "ranks": None if node_rank is None else list(range(node_rank * nproc,
+                                                          (node_rank + 1) * nproc)),
+        "local_ranks": list(range(nproc)),
+        "master_addr": spec.master_addr,
+        "master_port": spec.master_port,
+        "rdzv_host_source": (ident.rdzv_host_source if ident else "") or "flag/env/default",
+        "run_id": spec.run_id,
+        "run_id_source": ident.run_id_source if ident else "--rdzv-id",
+        "scheduler": ident.scheduler if ident else "none",
+        "hosts": list(ident.hosts) if ident else [],
+        "env_nnodes": ident.env_nnodes if ident else 0,
+        "max_restarts": spec.max_restarts,
+        "health_port": spec.health_port,
+        "health_checks": [str(getattr(c, "name", c)) for c in checks],
+        "exit_codes": {"done": 0, "failed": 1, "bad_input": EXIT_BAD_INPUT,
+                       "no_restart": spec.ft.no_restart_exit_code,
+                       "store_lost": EXIT_STORE_LOST, "unhealthy": EXIT_UNHEALTHY},
+    }
 
 
 if __name__ == "__main__":
