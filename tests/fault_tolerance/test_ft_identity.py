@@ -71,15 +71,21 @@ def test_node_rank_precedence(cli, env, rank, source):
     assert (ident.node_rank, ident.source) == (rank, source)
 
 
-@pytest.mark.parametrize("cli, env, source, nnodes", [
-    (None, {**SLURM, "SLURM_NNODES": "1"}, "SLURM_PROCID", 1),  # a multi-task step, --nnodes 1
-    (None, {"PET_NODE_RANK": "4"}, "PET_NODE_RANK", 4),
-    (4, {}, "--node-rank", 4),
+@pytest.mark.parametrize("cli, env, source", [
+    (None, {**SLURM, "SLURM_NNODES": "1"}, "SLURM_PROCID"),  # a multi-task step, --nnodes 1
+    (None, {"PET_NODE_RANK": "4"}, "PET_NODE_RANK"),
+    (4, {}, "--node-rank"),
 ])
-def test_node_rank_beyond_nnodes_is_refused(cli, env, source, nnodes):
-    pattern = rf"node rank \d \(from {source}\) must be < --nnodes {nnodes}"
+def test_nonzero_node_rank_on_one_node_is_refused(cli, env, source):
+    pattern = rf"node rank \d \(from {source}\) on a one-node job \(--nnodes 1\)"
     with pytest.raises(LaunchConfigError, match=pattern):
-        resolve_identity(cli, None, env, "gpu001", pid=1, nnodes_max=nnodes)
+        resolve_identity(cli, None, env, "gpu001", pid=1, nnodes_max=1)
+
+
+def test_node_rank_beyond_nnodes_is_a_spare_on_several_nodes():
+    # --nnodes 2:3 with a fourth launcher: it parks as a hot spare, it is not refused
+    ident = resolve_identity(4, None, {}, "gpu001", pid=1, nnodes_max=3)
+    assert (ident.node_rank, ident.source) == (4, "--node-rank")
 
 
 @pytest.mark.parametrize("cli, env, run_id, source", [

@@ -255,6 +255,7 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchSpec:
     ft = _ft_config(ns)
     values["lease_s"], values["lease_interval_s"] = ns.lease_s, ns.lease_interval_s
     values.update(_node_values(ns))
+    values["master_addr_given"] = ns.master_addr is not None or "PET_MASTER_ADDR" in os.environ
     values["identity"] = _identity(ns, values)
     return _spec(values, rest[0], tuple(rest[1:]), ft)
 
@@ -383,7 +384,11 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")
     ident: NodeIdentity = v["identity"]
-    if multinode and not endpoint and ident.rdzv_host:
+    if multinode and not endpoint and v.get("master_addr_given"):
+        # torchrun's static shape (Kubeflow Trainer: PET_MASTER_ADDR/PORT): the store lives at
+        # MASTER_ADDR:MASTER_PORT; workers get a fresh port on each round's rank-0 node
+        endpoint = f"{v['master_addr']}:{master_port or _DEFAULT_RDZV_PORT}"
+    elif multinode and not endpoint and ident.rdzv_host:
         # Slurm: the job's first node hosts the store on torchrun's c10d default port
         endpoint = f"{ident.rdzv_host}:{_DEFAULT_RDZV_PORT}"
     if multinode and not endpoint:

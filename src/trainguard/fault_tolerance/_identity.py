@@ -256,15 +256,16 @@ def resolve_identity(cli_node_rank: int | None, cli_run_id: str | None,
     multi-node jobs, that spares and node exclusion need ``srun --kill-on-bad-exit=0``.
 
     Raises:
-        LaunchConfigError: a non-integer rank variable, a node rank >= ``nnodes_max``, a bad
+        LaunchConfigError: a non-integer rank variable, a node rank other than 0 on one node, a bad
             ``SLURM_JOB_NODELIST``, a loopback endpoint on a job the engine says spans several
             nodes, or several launchers on one Slurm node (see
             :func:`check_one_launcher_per_node`); each message says how to fix it.
     """
     rank, source = _node_rank(cli_node_rank, env)
-    if rank is not None and rank >= max(nnodes_max, 1):
+    if rank is not None and nnodes_max <= 1 and rank != 0:
+        # one node: rank must be 0; several: ranks >= MAX are hot spares (they park)
         raise LaunchConfigError(
-            f"node rank {rank} (from {source}) must be < --nnodes {nnodes_max}: run one launcher "
+            f"node rank {rank} (from {source}) on a one-node job (--nnodes 1): run one launcher "
             "per node with --nnodes set to the node count, or unset the rank variable")
     run_id, run_source = _run_id(cli_run_id, env, pid)
     nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")).strip()
