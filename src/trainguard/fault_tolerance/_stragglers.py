@@ -30,6 +30,7 @@ __all__ = ["StragglerWatch"]
 _log = logging.getLogger("trainguard.fault_tolerance")
 _KIND = 1  # straggler window summary (trainguard.straggler._transport.RECORD_KIND)
 _RECORDS = 2  # summaries per slot (trainguard.straggler._transport.RECORD_SLOTS)
+_IDLE_POLL_S = 0.5
 
 
 class StragglerWatch:
@@ -37,7 +38,9 @@ class StragglerWatch:
 
     Args:
         slots: the local ranks' slots, by local rank. rank_of: local rank -> global rank.
-        cycle: the cycle number (log lines). poll_s / stale_s: seconds.
+        cycle: the cycle number (log lines). poll_s: seconds between reads once records flow
+            (0.5 s before the first). stale_s: seconds after which a window is scored without
+            the ranks that did not publish it.
     """
 
     def __init__(self, slots: list[Slot], rank_of: Callable[[int], int], cycle: int,
@@ -77,7 +80,8 @@ class StragglerWatch:
 
     # -- thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        # idle (no rank runs a detector) -> look twice a second; once records flow -> poll_s
+        while not self._stop.wait(self.poll_s if self.newest else _IDLE_POLL_S):
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - a bad record must never stop the launcher
