@@ -21,8 +21,10 @@ every figure is a median over the faults, measured by the workload itself:
   heartbeat timeout (``--hb-timeout``, 2 s);
 * ``heartbeat_us_median`` / ``section_us_median``: one ``send_heartbeat()`` / one section mark
   (half a ``start_section`` + ``end_section`` pair), measured in a worker under the launcher
-  (median of batches); ``empty_method_call_us`` is an empty Python method call in the same
-  process, to read the figures against the machine's load.
+  (median of 30 interleaved batches of 5000 calls; ``*_min_max`` the extremes);
+  ``empty_method_call_us`` is an empty Python method call in the same process, interleaved with
+  them, to read the figures against the machine's load; ``*_cpu_us*`` are the same from the
+  thread's CPU time, which leaves out time the worker was preempted by other processes.
 
 Headline keys are for the smallest ``--ranks``; ``by_ranks`` holds every configuration. Prints
 tables, then exactly one JSON line. Every run is bounded (``--timeout``) and its whole process
@@ -95,24 +97,30 @@ MICRO = r'''
 import json, time
 from trainguard.fault_tolerance import RankMonitorClient
 c = RankMonitorClient(); c.init_workload_monitoring()
-def per_call(fn, n=20000, batches=15):
-    out = []
-    for _ in range(batches):
-        t = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter_ns() - t) / n / 1000)
-    return sorted(out)[len(out) // 2]
-hb = per_call(c.send_heartbeat)
-def pair():
-    c.start_section("step"); c.end_section("step")
-sec = per_call(pair) / 2
 class Empty:
     def call(self):
         pass
-base = per_call(Empty().call)  # an empty method call: how loaded the machine is
-print("MICRO " + json.dumps({"heartbeat_us": hb, "section_us": sec, "empty_call_us": base}),
-      flush=True)
+def pair():
+    c.start_section("step"); c.end_section("step")
+# interleaved batches (heartbeat, section pair, empty call), so load changes hit all three alike
+fns = {"heartbeat": (c.send_heartbeat, 1), "section": (pair, 2), "empty_call": (Empty().call, 1)}
+res = {k: [] for k in fns}
+cpu = {k: [] for k in fns}
+for _ in range(30):
+    for k, (fn, per) in fns.items():
+        t, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        for _ in range(5000):
+            fn()
+        c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
+        res[k].append((t1 - t) / 5000 / 1000 / per)
+        cpu[k].append((c1 - c0) / 5000 / 1000 / per)
+out = {}
+for k, v in res.items():
+    v.sort()
+    out[f"{k}_us"] = v[len(v) // 2]
+    out[f"{k}_us_min"], out[f"{k}_us_max"] = v[0], v[-1]
+    out[f"{k}_cpu_us"] = sorted(cpu[k])[len(v) // 2]  # CPU time: preemption by load excluded
+print("MICRO " + json.dumps(out), flush=True)
 '''
 
 
@@ -228,6 +236,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-torchrun", action="store_true", help="skip the torchrun baseline")
     p.add_argument("--skip-hang", action="store_true", help="skip the hang measurement")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launcher run")
+    p.add_argument("--micro-only", action="store_true",
+                   help="only the heartbeat / section-mark cost (no launcher restarts)")
     return p.parse_args(argv)
 
 
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = round(os.getloadavg()[0], 2)
     by_ranks: dict[str, dict] = {}
     failed = []
-    for ranks in args.ranks:
+    for ranks in [] if args.micro_only else args.ranks:
         row: dict[str, object] = {}
         kinds = ["ours"] + ([] if args.skip_torchrun else ["torchrun"]) + \
             (["nvrx"] if args.nvrx_python else [])
@@ -259,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         by_ranks[str(ranks)] = row
     micro = run_micro(args)
     _print_tables(by_ranks, micro)
-    head = by_ranks[str(min(args.ranks))]
+    head = by_ranks.get(str(min(args.ranks)), {})
     result = {
         "bench": "ft_launcher", "ranks": args.ranks, "faults": args.faults,
         "hang_detect_overhead_s": head.get("hang_detect_overhead_s"),
@@ -271,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         "heartbeat_us_median": round(micro.get("heartbeat_us", -1), 3),
         "section_us_median": round(micro.get("section_us", -1), 3),
         "empty_method_call_us": round(micro.get("empty_call_us", -1), 3),
+        "heartbeat_cpu_us_median": round(micro.get("heartbeat_cpu_us", -1), 3),
+        "section_cpu_us_median": round(micro.get("section_cpu_us", -1), 3),
+        "empty_method_call_cpu_us": round(micro.get("empty_call_cpu_us", -1), 3),
+        "heartbeat_us_min_max": [round(micro.get("heartbeat_us_min", -1), 3),
+                                 round(micro.get("heartbeat_us_max", -1), 3)],
+        "section_us_min_max": [round(micro.get("section_us_min", -1), 3),
+                               round(micro.get("section_us_max", -1), 3)],
         "hb_timeout_s": args.hb_timeout, "by_ranks": by_ranks, "failed_runs": failed,
         "load_avg_1m": [load_start, round(os.getloadavg()[0], 2)],
     }
@@ -295,8 +312,11 @@ def _print_tables(by_ranks: dict[str, dict], micro: dict) -> None:
         table.add_row(ranks, *["-" if v is None else str(v) for v in vals])
     console = Console(stderr=True)
     console.print(table)
-    console.print(f"heartbeat {micro.get('heartbeat_us', '?')} us/call, section mark "
-                  f"{micro.get('section_us', '?')} us/call")
+    for k in ("heartbeat", "section", "empty_call"):
+        console.print(f"{k}: median {micro.get(f'{k}_us', -1):.3f} us/call wall (min "
+                      f"{micro.get(f'{k}_us_min', -1):.3f}, max {micro.get(f'{k}_us_max', -1):.3f}"
+                      f"), {micro.get(f'{k}_cpu_us', -1):.3f} us CPU time; 30 interleaved "
+                      "batches of 5000 calls")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ def test_client_marks_land_in_the_slot_words(monkeypatch):
     try:
         c = RankMonitorClient()
         reader = Slot(owner.name)
-        c._w, c._sec, c._sec_max = reader.words, {"step": W.SECTIONS}, {"step": 0}
+        c._bind(reader.words, ["step"])
         c.send_heartbeat()
+        first = owner.get(W.HB_NS)
         c.send_heartbeat()
-        assert owner.get(W.HB_COUNT) == 2 and owner.get(W.HB_NS) > 0
+        assert owner.get(W.HB_NS) >= first > 0 and c._hb[1] > 0  # a gap between two beats
+        assert owner.last_close_ns(1) == 0
         c.start_section("step")
         opened, _ = owner.section_state(0)
         assert opened > 0
@@ -24,7 +26,8 @@ def test_client_marks_land_in_the_slot_words(monkeypatch):
         c.progress(5)
         assert owner.get(W.PROGRESS) == 5 and owner.section_state(0)[1] >= opened
         c.end_all_sections()
-        assert owner.section_state(0)[0] == 0 and owner.get(W.LAST_CLOSE) >= opened
+        assert owner.section_state(0)[0] == 0 and owner.last_close_ns(1) >= opened
+        assert c._secs["step"][2] > 0  # the section's longest duration, for calculated timeouts
         c.start_section("not-configured")  # no-op, like NVRx
         reader.close()
     finally:

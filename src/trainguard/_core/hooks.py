@@ -41,14 +41,7 @@ def run_reset_callbacks() -> list[str]:
     """Run every callback (any thread); returns the names whose callback raised (logged)."""
     with _lock:
         items = list(_callbacks.items())
-    failed = []
-    for name, fn in items:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - a reset step must not stop the others
-            _log.exception("reset callback %r failed", name)
-            failed.append(name)
-    return failed
+    return _run_each(items, "reset callback")
 
 
 def defer_to_restart(name: str, fn: Callable[[], None]) -> None:
@@ -70,11 +63,16 @@ def run_deferred_resets() -> list[str]:
     with _lock:
         items = list(_deferred.items())
         _deferred.clear()
+    return _run_each(items, "deferred reset")
+
+
+def _run_each(items: list[tuple[str, Callable[[], None]]], what: str) -> list[str]:
+    """Call every function outside the lock; a raising one is logged and the rest still run."""
     failed = []
     for name, fn in items:
         try:
             fn()
         except Exception:  # noqa: BLE001 - a reset step must not stop the others
-            _log.exception("deferred reset %r failed", name)
+            _log.exception("%s %r failed", what, name)
             failed.append(name)
     return failed

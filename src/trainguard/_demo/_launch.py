@@ -64,6 +64,7 @@ def _rank_env(config: DemoConfig, rank: int, port: int) -> dict[str, str]:
         TRAINGUARD_LOG_LEVEL=env.get("TRAINGUARD_LOG_LEVEL", "INFO"),
     )
     env.pop("LOCAL_RANK", None)  # the ranks are not under a launcher that owns devices
+    env.pop("TRAINGUARD_STORE_PORT", None)  # MASTER_PORT is the wrapper's store here
     return env
 
 

@@ -32,7 +32,8 @@ def build_wrapper(config: DemoConfig) -> Wrapper:
     return Wrapper(
         store_kwargs={
             "host": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            "port": int(os.environ["MASTER_PORT"]),  # the launcher's free port: the store's
+            # the launcher's free port for the wrapper's store (trainguard launch gives one)
+            "port": int(os.environ.get("TRAINGUARD_STORE_PORT") or os.environ["MASTER_PORT"]),
             "timeout": timedelta(seconds=60),
         },
         rank_assignment=Compose(MaxActiveWorldSize(config.ranks), ShiftRanks()),
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     # so that a reserve rank taking over does not pay it inside the restart.
     importlib.import_module("torch._dynamo")
     log = EventLog(config.events_path(rank), rank)
-    log.emit("start", pid=os.getpid())
+    cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)  # trainguard launch's cycle
+    log.emit("start", pid=os.getpid(), cycle=cycle)
     try:
         accuracy = build_wrapper(config)(train)(Trainer(config, rank, log))
     except BaseException as exc:  # report how this rank left, then let the exit status say it

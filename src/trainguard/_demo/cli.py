@@ -67,6 +67,7 @@ def _faults(text: str):
 def register(subparsers: argparse._SubParsersAction) -> list[str]:
     """Add the ``demo`` sub-command; returns the names added."""
     from trainguard._demo._schedule import DEFAULT_FAULTS, FAULT_KINDS
+    from trainguard._demo._under_launcher import DEFAULT_LAUNCHER_FAULTS
 
     kinds = "; ".join(f"{k}: {v}" for k, v in FAULT_KINDS.items())
     p = subparsers.add_parser(
@@ -92,9 +93,16 @@ def register(subparsers: argparse._SubParsersAction) -> list[str]:
         "--faults",
         metavar="SCHEDULE",
         type=_faults,
-        default=DEFAULT_FAULTS,
-        help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}); "
-        f"R is the initial rank; {kinds}",
+        default=None,
+        help=f"comma-separated KIND@rankR:stepS, or 'none' (default {DEFAULT_FAULTS!r}; with "
+        f"--launcher {DEFAULT_LAUNCHER_FAULTS!r}); R is the initial rank; {kinds}",
+    )
+    p.add_argument(
+        "--launcher",
+        action="store_true",
+        help="run the ranks under 'trainguard launch': exceptions and hangs restart in-process, "
+        "a dead process restarts the whole job in-job (from the newest checkpoint, at full "
+        "world size); PASS needs one launcher cycle per SIGKILL and the full world at the end",
     )
     p.add_argument(
         "--seed",
@@ -169,6 +177,11 @@ def _config(args: argparse.Namespace):
             f"--soft-timeout ({args.soft_timeout}) must be below "
             f"--hard-timeout ({args.hard_timeout})"
         )
+    if args.faults is None:
+        from trainguard._demo._schedule import DEFAULT_FAULTS, parse_faults
+        from trainguard._demo._under_launcher import DEFAULT_LAUNCHER_FAULTS
+
+        args.faults = parse_faults(DEFAULT_LAUNCHER_FAULTS if args.launcher else DEFAULT_FAULTS)
     validate_faults(args.faults, ranks=args.ranks, reserve=args.reserve_ranks, steps=args.steps)
     return DemoConfig(
         output_dir=str(Path(args.output_dir).resolve()),
@@ -209,6 +222,10 @@ def _run(args: argparse.Namespace) -> int:
         f"{config.steps} steps, digits ({sizes['train']} train / {sizes['test']} test), "
         f"faults: {faults}"
     )
+    if args.launcher:
+        from trainguard._demo._under_launcher import run_under_launcher
+
+        return run_under_launcher(config, config_path, timeout_s=args.timeout, console=console)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         result = launch(config, config_path, timeout_s=args.timeout, console=console)

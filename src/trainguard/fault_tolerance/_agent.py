@@ -35,7 +35,8 @@ from trainguard.fault_tolerance._healthport import HealthServer, LauncherState, 
 from trainguard.fault_tolerance._logs import LogPump
 from trainguard.fault_tolerance._report import after_failure, print_summary
 from trainguard.fault_tolerance._slot import Slot
-from trainguard.fault_tolerance._spawn import ForkServer, Worker, spawn_cold
+from trainguard.fault_tolerance._spawn import ForkServer, Worker, spawn_cold, stop_helper
+from trainguard.fault_tolerance._stragglers import StragglerWatch
 from trainguard.fault_tolerance._sweeper import ENV_MARKER, marked_pids
 from trainguard.fault_tolerance.config import signal_number
 from trainguard.fault_tolerance.errors import EXIT_UNHEALTHY, LaunchConfigError, LauncherError
@@ -70,13 +71,7 @@ class _MonitorHandle:
             pass
 
     def close(self) -> None:
-        self.send({"op": "stop"})
-        try:
-            self.proc.wait(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        terminate_processes([self.proc], grace_s=1.0)
-        self.sock.close()
+        stop_helper(self.proc, self.sock)
 
 
 class Launcher:
@@ -429,7 +424,11 @@ class Launcher:
                 m.send({"op": "cycle", "cycle": cycle, "pid": w.pid, "start_ns": w.started_ns})
             _log.info("cycle %d: started %d worker(s) (%s), MASTER_PORT=%d", cycle, len(workers),
                       "warm fork" if res.warm else "cold spawn", port)
-            _cycle.watch_cycle(self, res, workers)
+            watch = StragglerWatch(self.slots, self.rank_of, cycle).start()
+            try:
+                _cycle.watch_cycle(self, res, workers)
+            finally:
+                res.stragglers = watch.stop()
         finally:
             last = res.outcome is not _cycle.Outcome.FAILED or cycle >= self.spec.max_restarts
             ft = self.spec.ft

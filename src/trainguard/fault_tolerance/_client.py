@@ -93,18 +93,17 @@ class RankMonitorClient:
     def __init__(self) -> None:
         self._local = bytearray(EXT_OFFSET)
         self._w: memoryview = memoryview(self._local).cast("q")
-        self._sec: dict[str, int] = {}
-        self._open: dict[str, int] = {}
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
         self._initialized = False
-        self._first_hb_ns = 0
-        self._hb_gap_ns = 0
-        self._sec_max: dict[str, int] = {}
-        self._oos_max = 0
-        self._oos_since = _mono()
+        # mark statistics, read by calculate_and_set_*: [last heartbeat ns, longest gap ns,
+        # first heartbeat after init ns] and per section [slot word, open since ns, longest ns]
+        self._hb: list[int] = [0, 0, 0]
+        self._secs: dict[str, list[int]] = {}
+        self._oos: list[int] = [0, _mono(), 0]  # [open sections, outside since ns, longest ns]
         self._loaded: dict[str, Any] | None = None
         self.timeouts: dict[str, Any] = {}
+        self._bind(self._w, [])
 
     # -- lifecycle -----------------------------------------------------------------------
     def init_workload_monitoring(self, num_warmup_iters: int | None = None,
@@ -129,9 +128,7 @@ class RankMonitorClient:
             raise MonitorUnavailableError(f"rank monitor socket {path}: {exc}") from exc
         self._sock, self._reader = sock, FrameReader(sock.fileno(), 4096)
         names = [n for n in os.environ.get(ENV_SECTIONS, "").split(",") if n]
-        self._sec = {n: W.SECTIONS + 2 * i for i, n in enumerate(names)}
-        self._sec_max = dict.fromkeys(names, 0)
-        self._w = slot.words
+        self._bind(slot.words, names)
         reply = self._request({"op": "init", "pid": os.getpid(), "warmup": num_warmup_iters},
                               timeout_s)
         self.timeouts = reply.get("timeouts", {})
@@ -139,7 +136,8 @@ class RankMonitorClient:
         now = _mono()
         w[W.INIT] = now
         w[W.HB_NS] = 0
-        self._oos_since = now
+        self._hb[0] = 0
+        self._oos[1] = now
         w[W.PID] = os.getpid()
         self._initialized = True
         if self._loaded is not None:
@@ -152,7 +150,7 @@ class RankMonitorClient:
                 self._request({"op": "shutdown"}, 2.0)
             self._sock.close()
         self._sock, self._reader, self._initialized = None, None, False
-        self._w = memoryview(self._local).cast("q")
+        self._bind(memoryview(self._local).cast("q"), list(self._secs))
 
     def __enter__(self) -> Self:
         self.init_workload_monitoring()
@@ -162,22 +160,81 @@ class RankMonitorClient:
         self.shutdown_workload_monitoring()
 
     # -- marks (hot path: no syscalls) --------------------------------------------------
-    def send_heartbeat(self) -> None:
-        """Record a heartbeat (two shared-memory stores; never blocks)."""
-        now = _mono()
-        w = self._w
-        gap = now - w[4]
-        if gap > self._hb_gap_ns:
-            self._note_gap(now, gap)
-        w[4] = now
-        w[3] += 1
+    def _bind(self, w: memoryview, names: list[str]) -> None:
+        """Point the mark methods at slot words ``w`` with sections ``names`` (slot order).
 
-    def _note_gap(self, now: int, gap: int) -> None:
-        w = self._w
-        if w[4]:
-            self._hb_gap_ns = gap
-        elif w[2]:
-            self._first_hb_ns = now - w[2]
+        The marks are closures stored on the instance (they shadow the documented methods
+        below): every name they use is a local or a cell, so a mark costs one clock read, one
+        8-byte store and a few local operations, no attribute chain, no dict write, no lock.
+        Statistics carry over from the previous binding.
+        """
+        mono = _mono
+        hb = self._hb
+        oos = self._oos
+        old = self._secs
+        secs = {n: [W.SECTIONS + 2 * i, 0, old[n][2] if n in old else 0]
+                for i, n in enumerate(names)}
+        self._w, self._secs = w, secs
+        for n, s in secs.items():
+            if n in old and old[n][1]:
+                s[1] = old[n][1]
+                w[s[0]] = s[1]
+        hb_word = W.HB_NS
+        init_word = W.INIT
+
+        def send_heartbeat() -> None:
+            now = mono()
+            w[hb_word] = now
+            if now - hb[0] > hb[1]:  # a new longest gap, or the first heartbeat
+                if hb[0]:
+                    hb[1] = now - hb[0]
+                elif w[init_word]:
+                    hb[2] = now - w[init_word]
+            hb[0] = now
+
+        def start_section(name: str) -> None:
+            s = secs.get(name)
+            if s is None:
+                return
+            if s[1]:
+                raise LauncherError(f"section {name!r} is already open; end it first")
+            now = mono()
+            w[s[0]] = now
+            s[1] = now
+            if not oos[0] and now - oos[1] > oos[2]:
+                oos[2] = now - oos[1]
+            oos[0] += 1
+
+        def end_section(name: str) -> None:
+            s = secs.get(name)
+            if s is None or not s[1]:
+                return
+            now = mono()
+            w[s[0]] = -now  # negative: closed at -value (one store marks both)
+            if now - s[1] > s[2]:  # noqa: PLR1730 - hot path, no call
+                s[2] = now - s[1]
+            s[1] = 0
+            oos[0] -= 1
+            if not oos[0]:
+                oos[1] = now
+
+        def progress(n: int = 1) -> None:
+            now = mono()
+            if oos[0]:
+                for s in secs.values():
+                    if s[1]:
+                        w[s[0] + 1] = now
+            w[W.PROGRESS] += n
+            w[W.PROGRESS_NS] = now
+
+        # instance attributes shadow the methods (documented below); setattr keeps mypy quiet
+        setattr(self, "send_heartbeat", send_heartbeat)  # noqa: B010
+        setattr(self, "start_section", start_section)  # noqa: B010
+        setattr(self, "end_section", end_section)  # noqa: B010
+        setattr(self, "progress", progress)  # noqa: B010
+
+    def send_heartbeat(self) -> None:
+        """Record a heartbeat: one clock read and one shared-memory store; never blocks."""
 
     def start_section(self, name: str) -> None:
         """Open section ``name`` (one shared-memory store; no-op for a section without a
@@ -186,36 +243,15 @@ class RankMonitorClient:
         Raises:
             LauncherError: ``name`` is already open.
         """
-        base = self._sec.get(name)
-        if base is None:
-            return
-        opened = self._open
-        if name in opened:
-            raise LauncherError(f"section {name!r} is already open; end it first")
-        now = _mono()
-        if not opened and now - self._oos_since > self._oos_max:
-            self._oos_max = now - self._oos_since
-        opened[name] = now
-        self._w[base] = now
 
     def end_section(self, name: str) -> None:
-        """Close section ``name`` (no-op if it is not open or not configured)."""
-        started = self._open.pop(name, None)
-        if started is None:
-            return
-        now = _mono()
-        w = self._w
-        w[self._sec[name]] = 0
-        w[6] = now
-        if now - started > self._sec_max[name]:  # noqa: PLR1730 - hot path, no call
-            self._sec_max[name] = now - started
-        if not self._open:
-            self._oos_since = now
+        """Close section ``name`` (one store; no-op if it is not open or not configured)."""
 
     def end_all_sections(self) -> None:
         """Close every open section."""
-        for name in list(self._open):
-            self.end_section(name)
+        for name, s in self._secs.items():
+            if s[1]:
+                self.end_section(name)
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -229,12 +265,6 @@ class RankMonitorClient:
     def progress(self, n: int = 1) -> None:
         """Report ``n`` units of progress: restarts the no-progress clock of every open section
         and advances the progress counter the launcher's progress tracker reads."""
-        now = _mono()
-        w = self._w
-        for name in self._open:
-            w[self._sec[name] + 1] = now
-        w[7] += n
-        w[11] = now
 
     # -- timeouts ------------------------------------------------------------------------
     def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
@@ -246,9 +276,8 @@ class RankMonitorClient:
             ``skip_if_not_ready`` only silences the log).
         Blocks for one all-reduce (when a process group is initialised) plus one request.
         """
-        ready = self._w[3] >= 2
-        vals = _allreduce_max([self._first_hb_ns / 1e9, self._hb_gap_ns / 1e9,
-                               0.0 if ready else 1.0])
+        ready = self._hb[1] > 0  # a gap was seen: at least two heartbeats
+        vals = _allreduce_max([self._hb[2] / 1e9, self._hb[1] / 1e9, 0.0 if ready else 1.0])
         if vals[2] > 0:
             if not skip_if_not_ready:
                 _log.warning("heartbeat timeouts not calculated: a rank has < 2 heartbeats")
@@ -272,9 +301,9 @@ class RankMonitorClient:
         Returns:
             True when set; False when a selected section was never completed on some rank.
         """
-        names = sorted(self._sec) if selected_sections is None else sorted(selected_sections)
-        vals = [self._sec_max.get(n, 0) / 1e9 for n in names]
-        vals += [self._oos_max / 1e9, 0.0 if all(v > 0 for v in vals) else 1.0]
+        names = sorted(self._secs) if selected_sections is None else sorted(selected_sections)
+        vals = [self._secs[n][2] / 1e9 if n in self._secs else 0.0 for n in names]
+        vals += [self._oos[2] / 1e9, 0.0 if all(v > 0 for v in vals) else 1.0]
         red = _allreduce_max(vals)
         if red[-1] > 0 or (not names and (not calc_out_of_section or red[-2] <= 0)):
             if not skip_if_not_ready:

@@ -61,6 +61,7 @@ class CycleResult:
     warm: bool = False
     progress: int = 0
     verdict: str = ""
+    stragglers: str = ""  # ranks the straggler watch flagged this cycle (see _stragglers)
 
     @property
     def root_cause(self) -> Failure | None:

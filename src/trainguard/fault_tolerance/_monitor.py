@@ -187,12 +187,12 @@ class Monitor:
 
     def _client_verdict(self, now: int, init: int) -> tuple[str, str, float] | None:
         s, t = self.slot, self.t
-        count = s.get(W.HB_COUNT)
-        if count == 0 and t.initial is not None and (now - init) / _NS > t.initial:
+        last_hb = s.get(W.HB_NS)  # 0 until the first heartbeat
+        if last_hb == 0 and t.initial is not None and (now - init) / _NS > t.initial:
             return ("heartbeat", f"no first heartbeat {(now - init) / _NS:.2f} s after init",
                     t.initial)
-        if count and t.subsequent is not None:
-            age = (now - s.get(W.HB_NS)) / _NS
+        if last_hb and t.subsequent is not None:
+            age = (now - last_hb) / _NS
             if age > t.subsequent:
                 return "heartbeat", f"no heartbeat for {age:.2f} s", t.subsequent
         n_open = 0
@@ -206,7 +206,7 @@ class Monitor:
             if limit is not None and idle > limit:
                 return ("section", f"no progress in section {name!r} for {idle:.2f} s", limit)
         if n_open == 0 and t.out_of_section is not None:
-            since = max(s.get(W.LAST_CLOSE), init)
+            since = max(s.last_close_ns(len(self.names)), init)
             age = (now - since) / _NS
             if age > t.out_of_section:
                 return "out_of_section", f"{age:.2f} s outside any section", t.out_of_section

@@ -126,16 +126,20 @@ def print_summary(launcher: Launcher) -> None:
         return
     table = Table(title=f"trainguard launch {launcher.spec.run_id}: {len(launcher.results)} "
                         f"cycle(s), logs in {launcher.run_dir}")
-    for col in ("cycle", "outcome", "start", "s", "root cause", "verdict"):
+    cols = ["cycle", "outcome", "start", "s", "root cause", "verdict"]
+    with_stragglers = any(r.stragglers for r in launcher.results)
+    if with_stragglers:
+        cols.append("stragglers")
+    for col in cols:
         table.add_column(col)
     for r in launcher.results:
         root = r.root_cause
         cause = f"rank {root.rank}: {root.detail}" if root else ""
         if r.outcome is Outcome.SIGNALLED:
             cause = f"launcher got signal {r.signum}"
-        table.add_row(str(r.cycle), r.outcome.value, "warm" if r.warm else "cold",
-                      f"{(r.ended_ns - r.started_ns) / 1e9:.1f}", escape(cause[:160]),
-                      r.verdict)
+        row = [str(r.cycle), r.outcome.value, "warm" if r.warm else "cold",
+               f"{(r.ended_ns - r.started_ns) / 1e9:.1f}", escape(cause[:160]), r.verdict]
+        table.add_row(*row, *([r.stragglers] if with_stragglers else []))
     console = Console(stderr=True, width=160)
     console.print(table)
     first = next((r for r in launcher.results if r.root_cause), None)

@@ -21,7 +21,7 @@ from trainguard._core.clock import Deadline
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.procs import terminate_processes
 
-__all__ = ["ForkServer", "Worker", "spawn_cold"]
+__all__ = ["ForkServer", "Worker", "spawn_cold", "stop_helper"]
 
 MSG = 1
 _log = logging.getLogger("trainguard.fault_tolerance")
@@ -52,6 +52,28 @@ def spawn_cold(mode: str, target: str, args: list[str], env: dict[str, str], out
                              else {"start_new_session": True})
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out_fd,
                             stderr=err_fd, **group)
+
+
+def stop_helper(proc: subprocess.Popen[bytes], sock: socket.socket, wait_s: float = 1.0,
+                grace_s: float = 1.0) -> None:
+    """Stop a launcher helper process (fork server, rank monitor) that listens on ``sock``.
+
+    Sends it ``{"op": "stop"}``, waits up to ``wait_s`` seconds for it to exit on its own, then
+    escalates through ``_core.procs.terminate_processes`` (SIGTERM, ``grace_s`` seconds, SIGKILL
+    of its tree) and closes ``sock``. Blocks at most about ``wait_s + grace_s`` seconds plus the
+    reap; never raises for a helper that is already gone. Idempotent.
+    """
+    if proc.poll() is None:
+        try:
+            send_msg(sock.fileno(), MSG, {"op": "stop"})
+        except (OSError, ValueError):  # ValueError: the socket is already closed
+            pass
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+    terminate_processes([proc], grace_s=grace_s)
+    sock.close()
 
 
 class ForkServer:
@@ -130,15 +152,5 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server (its children die with it: parent-death signal). Idempotent."""
-        if self.proc.poll() is None:
-            try:
-                send_msg(self.sock.fileno(), MSG, {"op": "stop"})
-            except OSError:
-                pass
-            try:
-                self.proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                pass
-        terminate_processes([self.proc], grace_s=1.0)
-        self.sock.close()
+        stop_helper(self.proc, self.sock)
         self.ready = False

@@ -1,9 +1,9 @@
 """Progress watchdog: the trainer's liveness stamps, shared with its monitor process.
 
-:class:`ProgressBlock` is an anonymous shared mapping (created before the monitor process is
-forked, so it needs no file and no /dev/shm segment) holding doubles: the automatic stamp, the
-manual stamp, flags and the current iteration. The monitor process reads it on its own clock, so
-deadline checks cannot be starved by a message stream (NVRx defect 9).
+:class:`ProgressBlock` is an unnamed shared mapping from ``_core.shm.fork_shared`` (created
+before the monitor process is forked, so it has no /dev/shm name to leak) holding doubles: the
+automatic stamp, the manual stamp, flags and the current iteration. The monitor process reads
+it on its own clock, so deadline checks cannot be starved by a message stream (NVRx defect 9).
 
 :class:`ProgressWatchdog` is a thread that, every interval, queues one ``Py_AddPendingCall``
 callback (at most one outstanding, so CPython's small pending-call queue never fills). The main
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import mmap
 import sys
 import threading
 import time
+
+from trainguard._core.shm import fork_shared
 
 __all__ = ["Phase", "ProgressBlock", "ProgressWatchdog"]
 
@@ -60,10 +61,14 @@ class Phase(enum.IntEnum):
 
 
 class ProgressBlock:
-    """Doubles in an anonymous ``MAP_SHARED`` mapping; aligned 8-byte stores are atomic."""
+    """Doubles in a ``_core.shm.fork_shared`` mapping; aligned 8-byte stores are atomic.
+
+    Raises (constructor):
+        ShmAllocationError: no memory for the block.
+    """
 
     def __init__(self) -> None:
-        self._mm = mmap.mmap(-1, 8 * len(_FIELDS))
+        self._mm = fork_shared("tg_progress", 8 * len(_FIELDS))
         self._v = memoryview(self._mm).cast("d")
         self.set("rank", -1)
         self.set("soft_fired", -1)

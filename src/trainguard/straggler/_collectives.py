@@ -9,8 +9,9 @@ recorder only stamps ``time_created_ns`` (2-10 µs per record on gloo). Limits, 
   :func:`install` are timed (``from torch.distributed import all_reduce`` done earlier is not);
 * with ``async_op=True`` only the issue is timed, not the later ``work.wait()``; DDP's bucketed
   gradient all-reduce runs in C++ and is therefore counted as compute;
-* on NCCL a blocking call returns once the kernel is enqueued, so host-side wait is near zero;
-  scores then rest on the step and section times.
+* on NCCL a blocking call returns once the kernel is enqueued, so host-side wait is near zero:
+  for a collective whose first tensor is on CUDA the time comes from CUDA events instead
+  (``_cuda``: resolved lazily at step marks, never synchronising), chosen per call.
 
 Nested collectives (``all_gather_object`` calling ``all_gather``) are counted once.
 """
@@ -25,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from trainguard.straggler._cuda import CudaEventTimer, on_cuda
 from trainguard.straggler._recorder import Recorder
 
 __all__ = ["COLLECTIVES", "install", "uninstall"]
@@ -45,11 +47,16 @@ def _wrap(rec: Recorder, fn: Callable[..., Any]) -> Callable[..., Any]:
         if rec.in_collective:
             return fn(*args, **kwargs)
         rec.in_collective = True
+        cuda = rec.cuda if rec.cuda is not None and on_cuda(args) else None
+        start = cuda.begin() if cuda is not None else None
         t0 = perf_counter_ns()
         try:
             return fn(*args, **kwargs)
         finally:
-            rec.coll_ns += perf_counter_ns() - t0
+            if cuda is not None:
+                cuda.end(start)  # its GPU time is added when the events complete
+            else:
+                rec.coll_ns += perf_counter_ns() - t0
             rec.in_collective = False
 
     timed.__trainguard_straggler__ = True  # type: ignore[attr-defined]
@@ -63,6 +70,7 @@ def install(rec: Recorder) -> list[str]:
     """
     if _saved:
         uninstall()
+    rec.cuda = _cuda_timer()
     names = []
     for name in COLLECTIVES:
         orig = getattr(c10d, name, None)
@@ -75,6 +83,15 @@ def install(rec: Recorder) -> list[str]:
                 setattr(module, name, timed)
         names.append(name)
     return names
+
+
+def _cuda_timer() -> CudaEventTimer | None:
+    """A CUDA event timer when this process can use CUDA, else None (host timing only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return CudaEventTimer()
 
 
 def uninstall() -> None:

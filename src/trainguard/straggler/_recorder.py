@@ -100,6 +100,7 @@ class Recorder:
         self.coll_ns = 0  # cumulative time inside wrapped collectives
         self.data_ns = 0  # cumulative data-loader wait
         self.in_collective = False
+        self.cuda: Any = None  # a _cuda.CudaEventTimer when collectives run on CUDA tensors
         self.sections: dict[str, Section] = {}
         self.steps_total = 0
         self.window = 0
@@ -122,6 +123,8 @@ class Recorder:
     def step(self) -> WindowData | None:
         """Mark a step boundary; returns a closed window every ``window_steps`` steps."""
         now = perf_counter_ns()
+        if self.cuda is not None and self.cuda.pending:
+            self.coll_ns += self.cuda.resolve()
         coll, data = self.coll_ns, self.data_ns
         if self._t0:
             self._step.append(now - self._t0)

@@ -38,10 +38,16 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from trainguard._core.logging import get_logger
 from trainguard.straggler._actions import Actions
 from trainguard.straggler._recorder import DataWait, Section, wrap_dataloader
 from trainguard.straggler._session import Session
-from trainguard.straggler._transport import MemoryTransport, StoreTransport, SummaryTransport
+from trainguard.straggler._transport import (
+    MemoryTransport,
+    SlotTransport,
+    StoreTransport,
+    SummaryTransport,
+)
 from trainguard.straggler.errors import StragglerConfigError, StragglerError
 from trainguard.straggler.report import Report
 from trainguard.straggler.scores import ScoringConfig
@@ -51,6 +57,7 @@ __all__ = ["CallableId", "Detector"]
 T = TypeVar("T")
 _SCORES = ("relative_perf_scores", "individual_perf_scores")
 _init_count = itertools.count()
+log = get_logger("trainguard.straggler")
 _ABSENT = object()  # the wrapped attribute was inherited, not set on the object itself
 _NO_WINDOW = ("no window scored yet: fewer than window_steps steps marked, or summaries still in "
               "flight; no verdict")
@@ -90,6 +97,17 @@ class _DecoratorSection:
 
 
 def _default_transport(rank: int, world_size: int, store: Any) -> SummaryTransport:
+    inner = _in_job_transport(world_size, store)
+    if SlotTransport.available():  # under trainguard launch: the launcher reads the slot too
+        try:
+            return SlotTransport(inner)
+        except (OSError, ValueError) as exc:
+            log.warning("straggler: launcher slot unusable (%s); summaries go through the "
+                        "store only", exc)
+    return inner
+
+
+def _in_job_transport(world_size: int, store: Any) -> SummaryTransport:
     if store is None and dist.is_available() and dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
     if store is None:
