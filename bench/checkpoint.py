@@ -10,8 +10,9 @@ Scenarios (all by default, in one run):
             in the same run: memcpy into an existing buffer, fsync'd write bandwidth to --dir.
   loop    - a training loop whose model + optimizer state is --size-mb MiB and whose step takes
             ~--step-ms, saving every step: step-time overhead and blocking time of the overlapped
-            snapshot, our blocking snapshot, DCP async_save and torch.save (see
-            bench/_ckpt_loop.py).
+            snapshot (if_busy skip and wait), our blocking snapshot, DCP async_save, torch.save,
+            and a bare background memcpy of the state per step (the floor of any overlapped
+            copy on this host); saves skipped, load average (see bench/_ckpt_loop.py).
   dtensor - 2 gloo ranks: a DTensor state of --size-mb MiB vs plain tensors of the same size,
             saved in the dcp format until committed, then loaded resharded (bench/_ckpt_dtensor.py).
 loop and dtensor write to --fast-dir (tmpfs by default) so the writes keep up with a save per
@@ -246,12 +247,17 @@ def _loop(args: argparse.Namespace, base: str) -> dict:
 
     table.add_row("memcpy of the state (reference)", fmt("memcpy_s"), "", "")
     table.add_row("no checkpoint (baseline)", "", fmt("none_step_s"), "")
-    for method, label in (("overlap", "trainguard overlapped snapshot"),
+    for method, label in (("bgcopy", "background memcpy only (floor)"),
+                          ("overlap", "trainguard overlapped snapshot (if_busy=skip)"),
+                          ("overlap_wait", "trainguard overlapped snapshot (if_busy=wait)"),
                           ("snapshot", "trainguard snapshot"),
                           ("dcp_async", "DCP async_save"), ("torch_save", "torch.save + fsync")):
         table.add_row(label, fmt(f"{method}_block_s"), fmt(f"{method}_step_s"),
                       f"{r[f'{method}_step_overhead_pct']:.1f}")
     Console().print(table)
+    Console().print(f"overlapped saves skipped (previous one still in flight): "
+                    f"{r['saves_skipped']} of {r['overlap_saves_requested']}; load average "
+                    f"{r['loop_loadavg'][0]:.1f}-{r['loop_loadavg'][1]:.1f}")
     return r
 
 
