@@ -167,10 +167,11 @@ class Loop:
             self.samples.setdefault(f"{method}_saves", []).append(saves)
         self._drain()
 
-    def run(self, rounds: int, steps: int) -> dict[str, list[float]]:
+    def run(self, rounds: int, steps: int,
+            methods: tuple[str, ...] = METHODS) -> dict[str, list[float]]:
         try:
             for r in range(rounds + 1):
-                for method in METHODS:
+                for method in methods:
                     self._block(method, steps if r else 1)  # round 0: warm-up only
                 if r == 0:
                     self.samples.clear()
@@ -182,35 +183,31 @@ class Loop:
         return self.samples
 
 
+_BLOCK_KEYS = {"overlap": "overlap_block_s", "snapshot": "snapshot_block_s",
+               "dcp_async": "dcp_async_loop_block_s", "torch_save": "torch_save_loop_block_s",
+               "overlap_wait": "overlap_wait_block_s", "bgcopy": "bgcopy_block_s"}
+
+
 def summarize(samples: dict[str, list[float]], batch: int, nbytes: int) -> dict[str, Any]:
-    """Medians under the issue's keys, plus [min, median, max] of every sample series."""
+    """Medians under the issue's keys (for the methods that ran; ``none`` must have), plus
+    [min, median, max] of every sample series."""
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["none_step_s"]
-
-    def overhead(method: str) -> float:
-        return (med[f"{method}_step_s"] - base) / base * 100.0
-
     out: dict[str, Any] = {
         "loop_state_mb": round(nbytes / 2**20, 1), "loop_batch": batch,
         "loop_step_s": base, "loop_memcpy_s": med["memcpy_s"],
-        "overlap_block_s": med["overlap_block_s"],
-        "snapshot_block_s": med["snapshot_block_s"],
-        "dcp_async_loop_block_s": med["dcp_async_block_s"],
-        "torch_save_loop_block_s": med["torch_save_block_s"],
-        "overlap_step_overhead_pct": overhead("overlap"),
-        "snapshot_step_overhead_pct": overhead("snapshot"),
-        "dcp_async_step_overhead_pct": overhead("dcp_async"),
-        "torch_save_step_overhead_pct": overhead("torch_save"),
-        "overlap_wait_block_s": med["overlap_wait_block_s"],
-        "bgcopy_block_s": med["bgcopy_block_s"],
-        "bgcopy_step_overhead_pct": overhead("bgcopy"),
-        "overlap_wait_step_overhead_pct": overhead("overlap_wait"),
-        "overlap_fenced_frac": med["overlap_fenced_frac"],
-        "saves_skipped": int(sum(samples["overlap_skipped"])),
-        "overlap_saves_requested": int(sum(samples["overlap_saves"])),
         "loop_loadavg": [min(samples["loadavg_1min"]), max(samples["loadavg_1min"])],
-        "overlap_block_vs_memcpy": med["overlap_block_s"] / med["memcpy_s"],
-        "block_vs_dcp_async": med["overlap_block_s"] / med["dcp_async_block_s"],
     }
+    for method, key in _BLOCK_KEYS.items():
+        if f"{method}_step_s" in med:
+            out[key] = med[f"{method}_block_s"]
+            out[f"{method}_step_overhead_pct"] = (med[f"{method}_step_s"] - base) / base * 100.0
+    if "overlap_step_s" in med:
+        out["overlap_fenced_frac"] = med["overlap_fenced_frac"]
+        out["saves_skipped"] = int(sum(samples["overlap_skipped"]))
+        out["overlap_saves_requested"] = int(sum(samples["overlap_saves"]))
+        out["overlap_block_vs_memcpy"] = med["overlap_block_s"] / med["memcpy_s"]
+        if "dcp_async_step_s" in med:
+            out["block_vs_dcp_async"] = med["overlap_block_s"] / med["dcp_async_block_s"]
     out["loop_spread"] = {k: [min(v), statistics.median(v), max(v)] for k, v in samples.items()}
     return out
