@@ -262,3 +262,19 @@ def test_cuda_staging_pinned_buffers_reused_and_fenced(tmp_path):
             arenas.append({id(a) for a in ck.pool.free})
             assert all(a.pinned for a in ck.pool.free)
         assert arenas[1] & arenas[2]  # the pinned staging buffers are reused across saves
+
+
+def test_chunked_background_copy_is_byte_exact():
+    from trainguard.checkpointing import _staging
+
+    tensors = [("t", torch.randn(1000, 37).t()),  # non-contiguous: copy_ fallback
+               ("big", torch.arange(3_000_001, dtype=torch.int64)),  # 24 MB: many 1 MiB chunks
+               ("bf16", torch.randn(5).to(torch.bfloat16)), ("empty", torch.empty(0))]
+    slots, total = _staging.plan_slots(tensors)
+    arena = _staging.Arena(total, prefault=False)
+    try:
+        _staging.stage(tensors, slots, arena, chunk_bytes=1 << 20)
+        for (name, t), slot in zip(tensors, slots):
+            assert torch.equal(arena.view(slot), t), name
+    finally:
+        arena.close()
