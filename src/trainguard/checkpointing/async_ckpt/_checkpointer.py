@@ -293,14 +293,14 @@ class AsyncCheckpointer(LoadMixin):
               ``"wait"`` for a save that must happen (e.g. the last one).
             * ``"wait"`` (default otherwise): block until an older write frees its staging
               memory (bounded by ``write_timeout``).
-        A skipped or overlapped save blocks only for the small tensors, pickling and (with
-        ``torch.distributed``) one scalar all-reduce, bounded by ``collective_timeout``.
+        With ``overlap=True`` and ``"skip"`` a save blocks only for the small tensors, pickling and
+        (with ``torch.distributed``) one scalar all-reduce, bounded by ``collective_timeout``.
 
         Raises:
             ConfigError: no root, a bad ``if_busy``, a bad step (not an int, or not newer than
-                the newest step
-                committed in the directory or queued: an earlier run's checkpoints are resumed
-                from or refused, see ``run_id``), or a state that the chosen format cannot hold.
+                the newest step committed in the directory or queued: an earlier run's
+                checkpoints are resumed from or refused, see ``run_id``), or a state that the
+                chosen format cannot hold.
             StateDictError: a value cannot be pickled, or (format ``torch``) could not be loaded
                 back by ``torch.load(weights_only=True)``, or is a ``DTensor`` /
                 ``ShardedTensor``; the key is named and nothing is written. NumPy arrays,
