@@ -3,9 +3,15 @@
 A stack of ``Linear(2048, 2048)`` layers trained with SGD + momentum, so that parameters plus
 momentum hold ``size_mb`` MiB; the batch is calibrated so that one step (forward, backward,
 ``optimizer.step()``) takes about ``step_ms``. Methods, interleaved round by round so machine
-noise hits all alike: no save (baseline), trainguard overlapped snapshot, trainguard snapshot
-(blocking copy), ``torch.distributed.checkpoint.async_save`` (waiting for the previous one
-first) and a synchronous ``torch.save`` + fsync. Needs an initialized (1-rank) process group.
+noise hits all alike: no save (baseline); ``bgcopy``, a background thread copying the state's
+bytes once per step exactly as the overlapped save stages them (chunked, GIL-free ``memmove``,
+joined before the optimizer step) and nothing else: the floor any overlapped snapshot pays on
+this host, since its copy competes with training for the same cores and memory bandwidth;
+trainguard overlapped snapshot (default ``if_busy="skip"``: a save requested while the previous
+one is in flight is skipped); the same with ``if_busy="wait"`` (``overlap_wait``, the design
+before skipping); trainguard snapshot (blocking copy); ``torch.distributed.checkpoint.async_save``
+(waiting for the previous one first) and a synchronous ``torch.save`` + fsync. Needs an
+initialized (1-rank) process group.
 """
 
 from __future__ import annotations
@@ -13,16 +19,17 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from trainguard.checkpointing import AsyncCheckpointer
+from trainguard.checkpointing import AsyncCheckpointer, _staging
 
 WIDTH = 2048
-METHODS = ("none", "overlap", "snapshot", "dcp_async", "torch_save")
+METHODS = ("none", "bgcopy", "overlap", "overlap_wait", "snapshot", "dcp_async", "torch_save")
 
 
 def _model(size_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -48,10 +55,12 @@ class Loop:
         self.pending: Any = None
         self.dcp_dirs: list[str] = []
         self.samples: dict[str, list[float]] = {}
+        self.bg: threading.Thread | None = None
         self._train()  # creates the momentum buffers: the state now has its full size
         self.nbytes = sum(t.numel() * t.element_size() for t in self._tensors())
         self._calibrate(step_ms)
         self.dst = [torch.empty_like(t) for t in self._tensors()]
+        self.bg_dst = [torch.zeros_like(t) for t in self._tensors()]
 
     def _tensors(self) -> list[torch.Tensor]:
         params = list(self.model.parameters())
@@ -64,6 +73,9 @@ class Loop:
         x = torch.randn(self.batch, WIDTH)
         loss = self.model(x).square().mean()
         loss.backward()
+        if self.bg is not None:  # bgcopy: the copy must end before the state changes
+            self.bg.join()
+            self.bg = None
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
 
@@ -82,8 +94,17 @@ class Loop:
         return time.perf_counter() - t0
 
     # -- one save per method (returns after the part that blocks training) --------------------
+    def _bgcopy(self) -> None:
+        self.bg = threading.Thread(target=_staging._copy_chunked, name="bench-bgcopy",
+                                   args=(self.bg_dst, self._tensors(), _staging.CHUNK_BYTES))
+        self.bg.start()
+
     def _overlap(self) -> None:
         self.ck.save(self._state(), self.step_no, overlap=True)
+        self.ck.maybe_finalize()
+
+    def _overlap_wait(self) -> None:
+        self.ck.save(self._state(), self.step_no, overlap=True, if_busy="wait")
         self.ck.maybe_finalize()
 
     def _snapshot(self) -> None:
@@ -107,6 +128,9 @@ class Loop:
             os.fsync(f.fileno())
 
     def _drain(self) -> None:
+        if self.bg is not None:
+            self.bg.join()
+            self.bg = None
         self.ck.wait()
         if self.pending is not None:
             self.pending.result()
@@ -117,9 +141,10 @@ class Loop:
 
     def _block(self, method: str, steps: int) -> None:
         save: Callable[[], None] | None = {
-            "none": None, "overlap": self._overlap, "snapshot": self._snapshot,
+            "none": None, "bgcopy": self._bgcopy, "overlap": self._overlap,
+            "overlap_wait": self._overlap_wait, "snapshot": self._snapshot,
             "dcp_async": self._dcp_async, "torch_save": self._torch_save}[method]
-        fenced0 = self.ck.fenced_steps
+        fenced0, skipped0, saves = self.ck.fenced_steps, self.ck.saves_skipped, 0
         for i in range(steps + 1):  # the first step of a block warms the method up
             self.step_no += 1
             t0 = time.perf_counter()
@@ -128,52 +153,61 @@ class Loop:
             saving = save is not None and self.step_no % self.save_every == 0
             if saving:
                 save()  # type: ignore[misc]
+                saves += 1
             t2 = time.perf_counter()
             if i:
                 self.samples.setdefault(f"{method}_step_s", []).append(t2 - t0)
                 if saving or save is None:
                     self.samples.setdefault(f"{method}_block_s", []).append(t2 - t1)
-        if method == "overlap":
-            self.samples.setdefault("overlap_fenced_frac", []).append(
-                (self.ck.fenced_steps - fenced0) / max(1, (steps + 1) // self.save_every))
+        if method.startswith("overlap"):
+            self.samples.setdefault(f"{method}_fenced_frac", []).append(
+                (self.ck.fenced_steps - fenced0) / max(1, saves))
+            self.samples.setdefault(f"{method}_skipped", []).append(
+                self.ck.saves_skipped - skipped0)
+            self.samples.setdefault(f"{method}_saves", []).append(saves)
         self._drain()
 
-    def run(self, rounds: int, steps: int) -> dict[str, list[float]]:
+    def run(self, rounds: int, steps: int,
+            methods: tuple[str, ...] = METHODS) -> dict[str, list[float]]:
         try:
             for r in range(rounds + 1):
-                for method in METHODS:
+                for method in methods:
                     self._block(method, steps if r else 1)  # round 0: warm-up only
                 if r == 0:
                     self.samples.clear()
                 self.samples.setdefault("memcpy_s", []).append(self.memcpy_s())
+                self.samples.setdefault("loadavg_1min", []).append(os.getloadavg()[0])
         finally:
             self._drain()
             self.ck.close()
         return self.samples
 
 
+_BLOCK_KEYS = {"overlap": "overlap_block_s", "snapshot": "snapshot_block_s",
+               "dcp_async": "dcp_async_loop_block_s", "torch_save": "torch_save_loop_block_s",
+               "overlap_wait": "overlap_wait_block_s", "bgcopy": "bgcopy_block_s"}
+
+
 def summarize(samples: dict[str, list[float]], batch: int, nbytes: int) -> dict[str, Any]:
-    """Medians under the issue's keys, plus [min, median, max] of every sample series."""
+    """Medians under the issue's keys (for the methods that ran; ``none`` must have), plus
+    [min, median, max] of every sample series."""
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["none_step_s"]
-
-    def overhead(method: str) -> float:
-        return (med[f"{method}_step_s"] - base) / base * 100.0
-
     out: dict[str, Any] = {
         "loop_state_mb": round(nbytes / 2**20, 1), "loop_batch": batch,
         "loop_step_s": base, "loop_memcpy_s": med["memcpy_s"],
-        "overlap_block_s": med["overlap_block_s"],
-        "snapshot_block_s": med["snapshot_block_s"],
-        "dcp_async_loop_block_s": med["dcp_async_block_s"],
-        "torch_save_loop_block_s": med["torch_save_block_s"],
-        "overlap_step_overhead_pct": overhead("overlap"),
-        "snapshot_step_overhead_pct": overhead("snapshot"),
-        "dcp_async_step_overhead_pct": overhead("dcp_async"),
-        "torch_save_step_overhead_pct": overhead("torch_save"),
-        "overlap_fenced_frac": med["overlap_fenced_frac"],
-        "overlap_block_vs_memcpy": med["overlap_block_s"] / med["memcpy_s"],
-        "block_vs_dcp_async": med["overlap_block_s"] / med["dcp_async_block_s"],
+        "loop_loadavg": [min(samples["loadavg_1min"]), max(samples["loadavg_1min"])],
     }
+    for method, key in _BLOCK_KEYS.items():
+        if f"{method}_step_s" in med:
+            out[key] = med[f"{method}_block_s"]
+            out[f"{method}_step_overhead_pct"] = (med[f"{method}_step_s"] - base) / base * 100.0
+    if "overlap_step_s" in med:
+        out["overlap_fenced_frac"] = med["overlap_fenced_frac"]
+        out["saves_skipped"] = int(sum(samples["overlap_skipped"]))
+        out["overlap_saves_requested"] = int(sum(samples["overlap_saves"]))
+        out["overlap_block_vs_memcpy"] = med["overlap_block_s"] / med["memcpy_s"]
+        if "dcp_async_step_s" in med:
+            out["block_vs_dcp_async"] = med["overlap_block_s"] / med["dcp_async_block_s"]
     out["loop_spread"] = {k: [min(v), statistics.median(v), max(v)] for k, v in samples.items()}
     return out

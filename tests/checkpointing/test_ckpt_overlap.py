@@ -9,8 +9,14 @@ import pytest
 import torch
 from _ckpt_dist import run_ranks
 
-from trainguard.checkpointing import AsyncCheckpointer, CheckpointManager, CheckpointWriteError
+from trainguard.checkpointing import (
+    AsyncCheckpointer,
+    CheckpointManager,
+    CheckpointWriteError,
+    SaveState,
+)
 from trainguard.checkpointing.manager import rank_file
+from trainguard.errors import ConfigError
 
 
 class MutateAll(torch.optim.Optimizer):
@@ -93,7 +99,8 @@ def _flat_refs(obj):
 
 
 @pytest.mark.timeout(120)
-def test_save_every_step_for_200_steps_never_tears(tmp_path):
+@pytest.mark.parametrize("if_busy", ["skip", "wait"])
+def test_save_every_step_for_200_steps_never_tears(tmp_path, if_busy):
     model, opt = _setup(20_000, 2)  # 80 kB tensors: above the synchronous-copy threshold
     checked: list[int] = []
     with AsyncCheckpointer(tmp_path, keep_last=2, use_dist=False) as ck:
@@ -108,13 +115,92 @@ def test_save_every_step_for_200_steps_never_tears(tmp_path):
         for step in range(1, 201):
             opt.step()  # every tensor becomes ``step``
             state = {"model": model.state_dict(), "optim": opt.state_dict()}
-            ck.save(state, step, finalize_fns=[lambda s=step: check(s)], overlap=True)
+            req = ck.save(state, step, finalize_fns=[lambda s=step: check(s)], overlap=True,
+                          if_busy=if_busy)
+            assert req.state is not SaveState.SKIPPED or if_busy == "skip"
             ck.maybe_finalize()
         ck.wait()
-        fenced = ck.fenced_steps
-    assert checked == list(range(1, 201))
-    assert CheckpointManager(tmp_path).committed_steps() == [199, 200]
-    print(f"optimizer steps that waited for staging: {fenced} of 199")
+        fenced, skipped = ck.fenced_steps, ck.saves_skipped
+    print(f"optimizer steps that waited for staging: {fenced} of 199; skipped saves {skipped}")
+    if if_busy == "wait":
+        assert checked == list(range(1, 201)) and skipped == 0
+    else:  # every save either committed exactly (checked) or was skipped, none lost or torn
+        assert checked == sorted(checked) and len(checked) + skipped == 200 and checked
+    assert CheckpointManager(tmp_path).committed_steps() == checked[-2:]
+
+
+def _busy_state(model: torch.nn.Module, opt: MutateAll) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+@pytest.mark.timeout(120)
+def test_a_save_while_the_previous_is_writing_is_skipped_without_waiting(tmp_path):
+    model, opt = _setup(1 << 16, 2)
+    slow = {1: {"phase": "recv", "action": "slow", "seconds": 2.0}}  # the writer falls behind
+    with AsyncCheckpointer(tmp_path, use_dist=False, max_in_flight=1, faults=slow) as ck:
+        ck.warmup()
+        opt.step()
+        assert ck.save(_busy_state(model, opt), 1, overlap=True).state is SaveState.WRITING
+        opt.step()
+        t0 = time.perf_counter()
+        req = ck.save(_busy_state(model, opt), 2, overlap=True)  # default: skip if busy
+        skip_s = time.perf_counter() - t0
+        assert req.state is SaveState.SKIPPED and ck.saves_skipped == 1
+        opt.step()
+        t0 = time.perf_counter()
+        ck.save(_busy_state(model, opt), 3, overlap=True, if_busy="wait")
+        wait_s = time.perf_counter() - t0
+        opt.step()  # fenced until step 3's copy is done
+        assert ck.wait() == [1, 3]
+        saved = ck.manager.load_file(3, rank_file(0))
+    print(f"skipped save blocked {skip_s * 1e3:.1f} ms; if_busy='wait' blocked {wait_s:.2f} s "
+          "behind a 2 s write")
+    assert skip_s < 1.0 < wait_s
+    assert CheckpointManager(tmp_path).committed_steps() == [1, 3]
+    assert all(torch.equal(v, torch.full_like(v, 3.0)) for k, v in saved["model"].items()
+               if k != "running")
+    with pytest.raises(ConfigError, match="if_busy"):
+        ck.save({}, 9, if_busy="later")
+
+
+def _skip_agreed(rank: int, world_size: int, root: str) -> tuple:
+    model, opt = _setup(1 << 16, 2)
+    slow = {1: {"phase": "recv", "action": "slow", "seconds": 2.0}} if rank == 1 else {}
+    ck = AsyncCheckpointer(root, max_in_flight=1, faults=slow, collective_timeout=30)
+    try:
+        ck.warmup()
+        states = [ck.save(_busy_state(model, opt), step, overlap=True).state.value
+                  for step in (1, 2)]
+        return states, ck.wait(), ck.saves_skipped
+    finally:
+        ck.close()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_agree_to_skip_when_one_rank_is_busy(tmp_path):
+    results = run_ranks(_skip_agreed, 2, str(tmp_path), timeout_s=90)
+    # only rank 1's writer is behind, yet both ranks skip step 2 (else the commit would hang)
+    assert [r[1] for r in results] == [(["writing", "skipped"], [1], 1)] * 2, results
+    assert CheckpointManager(tmp_path).committed_steps() == [1]
+
+
+@pytest.mark.timeout(120)
+def test_first_overlapped_save_without_warmup_does_not_block_on_page_faults(tmp_path):
+    state = {f"w{i}": torch.ones(8 << 20) for i in range(8)}  # 256 MiB, fresh staging memory
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    with AsyncCheckpointer(tmp_path, use_dist=False) as ck:
+        t0 = time.perf_counter()
+        ck.save(state, 1, overlap=True)  # the arena is new: its first touch is the copy
+        first_s = time.perf_counter() - t0
+        ck.wait_staged()
+        t0 = time.perf_counter()
+        for k, v in state.items():  # same work, in this thread, into fresh pages
+            dst[k].copy_(v)
+        touch_s = time.perf_counter() - t0
+        ck.close(finalize=False)  # the write itself is not under test
+    print(f"first overlapped save blocked {first_s * 1e3:.1f} ms; copying the state into fresh "
+          f"memory here took {touch_s * 1e3:.1f} ms")
+    assert first_s < 0.05
 
 
 @pytest.mark.timeout(60)
@@ -176,3 +262,19 @@ def test_cuda_staging_pinned_buffers_reused_and_fenced(tmp_path):
             arenas.append({id(a) for a in ck.pool.free})
             assert all(a.pinned for a in ck.pool.free)
         assert arenas[1] & arenas[2]  # the pinned staging buffers are reused across saves
+
+
+def test_chunked_background_copy_is_byte_exact():
+    from trainguard.checkpointing import _staging
+
+    tensors = [("t", torch.randn(1000, 37).t()),  # non-contiguous: copy_ fallback
+               ("big", torch.arange(3_000_001, dtype=torch.int64)),  # 24 MB: many 1 MiB chunks
+               ("bf16", torch.randn(5).to(torch.bfloat16)), ("empty", torch.empty(0))]
+    slots, total = _staging.plan_slots(tensors)
+    arena = _staging.Arena(total, prefault=False)
+    try:
+        _staging.stage(tensors, slots, arena, chunk_bytes=1 << 20)
+        for (name, t), slot in zip(tensors, slots):
+            assert torch.equal(arena.view(slot), t), name
+    finally:
+        arena.close()

@@ -291,10 +291,11 @@ def _run_goodput(args: argparse.Namespace) -> int:
                       "yes" if row["recovered"] else "NO")
     console.print(table)
     recovered = all(r["recovered"] for r in run.figures["faults"])
+    lost_med = median_lost(run.figures)
     console.print(
         f"goodput {run.figures['goodput']:.3f} ({run.figures['kept_steps']} steps of "
-        f"{run.figures['median_step_ms']:.0f} ms in {run.figures['window_s']:.1f} s; median "
-        f"{median_lost(run.figures)} s lost per fault)"
+        f"{run.figures['median_step_ms']:.0f} ms in {run.figures['window_s']:.1f} s; "
+        + ("no fault fired" if lost_med is None else f"median {lost_med} s lost per fault") + ")"
         + ("" if tmpfs else "; full disk left out (needs root for a tmpfs)"))
     (root / "goodput.json").write_text(json.dumps(
         {"plan": plan, "figures": run.figures, "exit_codes": run.exit_codes}, indent=2))

@@ -10,6 +10,7 @@
 from trainguard.checkpointing.async_ckpt import (
     AsyncCheckpointer,
     SaveRequest,
+    SaveState,
     abort_all_checkpointers,
 )
 from trainguard.checkpointing.errors import (
@@ -49,6 +50,7 @@ __all__ = [
     "LocalStorage",
     "NoReplicasAvailableError",
     "SaveRequest",
+    "SaveState",
     "StateDictError",
     "Storage",
     "TensorAwareStateDict",

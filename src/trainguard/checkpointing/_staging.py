@@ -1,8 +1,11 @@
 """Staging: flatten a state into (skeleton, tensors) and copy tensors into reusable shm arenas.
 
 An arena is one anonymous shared-memory file (``memfd``) mapped by the trainer and by its writer
-process. It is pre-faulted once at creation and reused across saves, so staging a
-state costs one memcpy (no page faults, no per-tensor shm handles, no file descriptors per tensor).
+process, reused across saves, so a steady-state save costs one memcpy (no page faults, no
+per-tensor shm handles, no file descriptors per tensor). Its pages are first touched either at
+creation (``prefault=True``: ``warmup``), or by the first copy into it (a save: the copy is the
+first touch, one pass instead of zero-fill + copy; for an overlapped save that pass runs in the
+background staging thread, so even the first save does not block on page faults).
 The trainer owns arenas and closes them on close.
 
 Only strided, non-quantized tensors inside plain dicts/lists/tuples are staged; every other value
@@ -11,6 +14,7 @@ Only strided, non-quantized tensors inside plain dicts/lists/tuples are staged; 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
@@ -24,10 +28,13 @@ import torch
 from trainguard._core.shm import map_fd, memfd_segment
 from trainguard.checkpointing.errors import StateDictError
 
-__all__ = ["Arena", "TensorRef", "TensorSlot", "cuda_fence", "flatten", "is_sharded_value",
-           "pickle_skeleton", "rebuild", "stage"]
+__all__ = ["CHUNK_BYTES", "Arena", "TensorRef", "TensorSlot", "cuda_fence", "flatten",
+           "is_sharded_value", "pickle_skeleton", "rebuild", "stage"]
 
 _ALIGN = 64
+CHUNK_BYTES = 4 << 20
+"""Chunk of a background (overlapped) CPU copy: one ``memmove`` without the GIL per chunk."""
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing them
 
 
 class TensorRef:
@@ -160,17 +167,35 @@ class Arena:
     Backed by ``memfd_create`` and handed to the writer as a file descriptor over its socket, so
     there is no /dev/shm name to leak (nor for anyone to unlink under us) and the memory is freed
     when the last process holding it exits, even after a crash.
+
+    Args:
+        capacity: size in bytes (at least one page).
+        prefault: touch every page now (``MADV_POPULATE_WRITE``, else a zero fill; about
+            capacity / memory bandwidth in the calling thread). False leaves the first touch to
+            the first copy into the arena.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, prefault: bool = True) -> None:
         self.capacity = max(int(capacity), mmap.PAGESIZE)
         self.name = f"tg_ckpt_{os.getpid()}_{uuid.uuid4().hex[:10]}"
         fd, mm = memfd_segment(self.name, self.capacity)
         self.fd: int | None = fd
         self._mm: mmap.mmap | None = mm
         self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.buf.zero_()  # first touch now, not during the save
         self.pinned = False
+        self.touched = False  # every page faulted in (prefault or a complete copy)
+        if prefault:
+            self.prefault()
+
+    def prefault(self) -> None:
+        """Fault every page in now (idempotent), so later copies run at memcpy speed."""
+        if self.touched or self._mm is None:
+            return
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # older kernel: touch by writing
+            self.buf.zero_()
+        self.touched = True
 
     def view(self, slot: TensorSlot) -> torch.Tensor:
         raw = self.buf[slot.offset : slot.offset + slot.nbytes]
@@ -213,14 +238,30 @@ def cuda_fence(tensors: list[tuple[str, torch.Tensor]]) -> dict[Any, Any]:
     return streams
 
 
+def _copy_chunked(dst: list[torch.Tensor], src: list[torch.Tensor], chunk_bytes: int) -> None:
+    """CPU copies as single-threaded ``memmove`` calls of ``chunk_bytes`` each, the GIL released
+    during each (ctypes foreign calls drop it): a background copy takes one core and leaves the
+    trainer's GIL and its intra-op threads alone (``copy_`` of a large tensor would start an
+    OpenMP team of its own next to the trainer's). Non-contiguous sources use ``copy_``."""
+    for d, s in zip(dst, src):
+        if not (s.is_contiguous() and s.dtype == d.dtype and s.shape == d.shape):
+            d.copy_(s)
+            continue
+        nbytes, dptr, sptr = s.numel() * s.element_size(), d.data_ptr(), s.data_ptr()
+        for off in range(0, nbytes, chunk_bytes):
+            ctypes.memmove(dptr + off, sptr + off, min(chunk_bytes, nbytes - off))
+
+
 def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], arena: Arena,
-          streams: dict[Any, Any] | None = None) -> None:
+          streams: dict[Any, Any] | None = None, chunk_bytes: int | None = None) -> None:
     """Copy every tensor into its slot; returns when all copies (CPU and CUDA) are complete.
 
     CUDA tensors are copied on the side streams from :func:`cuda_fence` (made here if not
     given) into the arena, which is page-locked once (``cudaHostRegister``) and reused by later
     saves, so device-to-host copies run at PCIe speed without a new pinned allocation.
-    Blocks until the copies are done; caller thread or the overlap thread.
+    CPU tensors: one ``_foreach_copy_`` (intra-op parallel; the blocking path), or with
+    ``chunk_bytes`` single-threaded chunks without the GIL (the overlapped path, see
+    :func:`_copy_chunked`). Blocks until the copies are done; caller thread or the overlap thread.
     """
     if streams is None:
         streams = cuda_fence(tensors)
@@ -237,7 +278,9 @@ def stage(tensors: list[tuple[str, torch.Tensor]], slots: list[TensorSlot], aren
             else:
                 cpu_dst.append(dst)
                 cpu_src.append(t.detach())
-        if cpu_dst:  # one call: the GIL is released once for all copies
+        if cpu_dst and chunk_bytes:
+            _copy_chunked(cpu_dst, cpu_src, chunk_bytes)
+        elif cpu_dst:  # one call: the GIL is released once for all copies
             torch._foreach_copy_(cpu_dst, cpu_src)
     for stream in streams.values():
         stream.synchronize()

@@ -7,7 +7,8 @@
 from trainguard.checkpointing.async_ckpt._checkpointer import (
     AsyncCheckpointer,
     SaveRequest,
+    SaveState,
     abort_all_checkpointers,
 )
 
-__all__ = ["AsyncCheckpointer", "SaveRequest", "abort_all_checkpointers"]
+__all__ = ["AsyncCheckpointer", "SaveRequest", "SaveState", "abort_all_checkpointers"]

@@ -164,6 +164,7 @@ class AsyncCheckpointer(LoadMixin):
         self.queue: deque[SaveRequest] = deque()
         self._dcp_planner = DcpPlanner(warm=format == "dcp")
         self._overlap = OverlapGuard(self.write_timeout_s)
+        self._saves_skipped = 0
         self._group: Any = None
         self._last_step: int | None = None
         self._existing: ExistingRun | None = None  # an earlier run's newest commit, if any
@@ -233,7 +234,7 @@ class AsyncCheckpointer(LoadMixin):
                                     _staging.pickle_skeleton(skeleton)), protocol=5)
             nbytes = total + len(trailer)
             if self.pool.count() == 0 and self.pool.can_acquire(nbytes):
-                self.pool.acquire(nbytes, -1, self._retire)
+                self.pool.acquire(nbytes, -1, self._retire, prefault=True)
                 self.pool.release(-1)
 
     def _check_writable(self) -> None:
@@ -263,7 +264,7 @@ class AsyncCheckpointer(LoadMixin):
     # -- save --------------------------------------------------------------------------------
     def save(self, state_dict: Any, step: int,
              finalize_fns: Sequence[Callable[[], None]] = (), *,
-             overlap: bool = False) -> SaveRequest:
+             overlap: bool = False, if_busy: str | None = None) -> SaveRequest:
         """Stage ``state_dict`` and queue its write as checkpoint ``step`` (all ranks call it).
 
         Blocks for the memcpy of every tensor into a staging arena (plus waiting for a free arena
@@ -283,10 +284,23 @@ class AsyncCheckpointer(LoadMixin):
         ``step``. A large tensor changed in place outside an optimizer step before the next one is
         not protected: call :meth:`wait_staged` before such a change. See ``_overlap``.
 
+        ``if_busy`` is what a save does when the previous one is still being staged or written
+        (its staging memory is not free yet, ``max_in_flight`` saves unwritten), on any rank:
+            * ``"skip"`` (default with ``overlap=True``): drop this save, on every rank (one
+              scalar all-reduce agrees on it), and return a request in state ``SKIPPED``;
+              :attr:`saves_skipped` counts them. The step never waits for an earlier save, so a
+              save requested every step checkpoints as often as the writer keeps up with. Pass
+              ``"wait"`` for a save that must happen (e.g. the last one).
+            * ``"wait"`` (default otherwise): block until an older write frees its staging
+              memory (bounded by ``write_timeout``).
+        With ``overlap=True`` and ``"skip"`` a save blocks only for the small tensors, pickling and
+        (with ``torch.distributed``) one scalar all-reduce, bounded by ``collective_timeout``.
+
         Raises:
-            ConfigError: no root, a bad step (not an int, or not newer than the newest step
-                committed in the directory or queued: an earlier run's checkpoints are resumed
-                from or refused, see ``run_id``), or a state that the chosen format cannot hold.
+            ConfigError: no root, a bad ``if_busy``, a bad step (not an int, or not newer than
+                the newest step committed in the directory or queued: an earlier run's
+                checkpoints are resumed from or refused, see ``run_id``), or a state that the
+                chosen format cannot hold.
             StateDictError: a value cannot be pickled, or (format ``torch``) could not be loaded
                 back by ``torch.load(weights_only=True)``, or is a ``DTensor`` /
                 ``ShardedTensor``; the key is named and nothing is written. NumPy arrays,
@@ -308,10 +322,14 @@ class AsyncCheckpointer(LoadMixin):
         if self.format == "dcp" and not (isinstance(state_dict, dict)
                                          and all(isinstance(k, str) for k in state_dict)):
             raise ConfigError("format='dcp' needs a dict with str keys (DCP flattens nested dicts)")
+        if if_busy not in (None, "skip", "wait"):
+            raise ConfigError(f"if_busy must be 'skip', 'wait' or None, got {if_busy!r}")
         self._ensure_group()
         rel = self.manager.step_dir(step)
+        skip = (if_busy or ("skip" if overlap else "wait")) == "skip"
         return self._submit(state_dict, step, self.format, rel, rank_file(self.rank),
-                            self.manager.storage.url, True, finalize_fns, overlap=overlap)
+                            self.manager.storage.url, True, finalize_fns, overlap=overlap,
+                            skip_if_busy=skip)
 
     def wait_staged(self) -> None:
         """Block until an overlapped save's background copy is done (no-op otherwise); after it
@@ -321,6 +339,11 @@ class AsyncCheckpointer(LoadMixin):
             CheckpointTimeout: the copy did not finish in time.
         """
         self._overlap.wait()
+
+    @property
+    def saves_skipped(self) -> int:
+        """Saves dropped by ``if_busy="skip"`` because an earlier one was still in flight."""
+        return self._saves_skipped
 
     @property
     def fenced_steps(self) -> int:
@@ -343,10 +366,12 @@ class AsyncCheckpointer(LoadMixin):
 
     def _submit(self, obj: Any, step: int | None, kind: str, rel_dir: str, file: str,
                 url: str, collective: bool, finalize_fns: Sequence[Callable[[], None]],
-                fault: dict | None = None, overlap: bool = False) -> SaveRequest:
+                fault: dict | None = None, overlap: bool = False,
+                skip_if_busy: bool = False) -> SaveRequest:
         if self._closed:
             raise ConfigError("this AsyncCheckpointer is closed; create a new one")
-        self._overlap.wait()  # an earlier overlapped copy finishes (and is sent) first
+        # an earlier overlapped copy finishes (and is sent) first, unless this save may be skipped
+        self._overlap.wait(blocking=not skip_if_busy)
         t0 = time.perf_counter()
         if kind == "dcp":
             skeleton, tensors = self._dcp_planner.plan(obj, self.rank, self._group, self.use_dist)
@@ -359,6 +384,11 @@ class AsyncCheckpointer(LoadMixin):
         req = SaveRequest(next(_ids), step, kind, rel_dir, file, url, collective,
                           Deadline(self.write_timeout_s), list(finalize_fns), t_submit=t0)
         trailer = pickle.dumps(([s.to_json() for s in slots], payload), protocol=5)
+        if skip_if_busy and self._agree_busy(total + len(trailer), collective):
+            self._saves_skipped += 1
+            req.state = SaveState.SKIPPED
+            _log.debug("checkpoint step %s skipped: the previous save is still in flight", step)
+            return req
         self._wait_for_arena(total + len(trailer))
         # The pickled skeleton rides in the arena behind the tensors: the request message stays
         # tiny, so sending never blocks on a writer that is still starting.
@@ -380,9 +410,10 @@ class AsyncCheckpointer(LoadMixin):
         _staging.stage([t for t, s in pairs if s.nbytes <= SYNC_BYTES],
                        [s for t, s in pairs if s.nbytes <= SYNC_BYTES], arena, streams)
 
-        def copy() -> None:
+        def copy() -> None:  # the staging thread; a new arena's first touch happens here
             _stage_fault(fault, late, arena, streams)
-            _staging.stage([t for t, _ in late], [s for _, s in late], arena, streams)
+            _staging.stage([t for t, _ in late], [s for _, s in late], arena, streams,
+                           chunk_bytes=_staging.CHUNK_BYTES)
 
         self._overlap.start(copy, lambda error: self._send(req, header, arena, error), step)
         return req
@@ -412,6 +443,23 @@ class AsyncCheckpointer(LoadMixin):
                 self.writer.send({"op": "release", "arena": arena.name})
             except WriterDied:
                 pass
+
+    def _agree_busy(self, nbytes: int, collective: bool) -> bool:
+        """Is the previous save still staging, or would this one wait for staging memory, on
+        this rank or (collective saves, one scalar all-reduce) on any rank? Never blocks on I/O.
+        """
+        self._overlap.wait(blocking=False)  # a copy that finished meanwhile is sent now
+        for req in tuple(self.queue):  # take replies already sent: their arenas are free
+            if req.state is SaveState.WRITING:
+                self._pump(req, blocking=False)
+        budget = self.pool.budget_bytes
+        too_big = budget is not None and self.pool.size_for(nbytes) > budget  # raised later
+        busy = self._overlap.pending or not (too_big or self.pool.can_acquire(nbytes))
+        if collective and self.use_dist:
+            flag = torch.tensor([1 if busy else 0], dtype=torch.int32)
+            self._collective(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=self._group)
+            busy = bool(flag.item())
+        return busy
 
     def _wait_for_arena(self, nbytes: int) -> None:
         """Block until staging memory for ``nbytes`` is available (older writes finish).

@@ -21,11 +21,14 @@ class SaveState(enum.Enum):
            │           │             └────────► FAILED
            └───────────┴──────────────────────► FAILED        (write error, dead/stuck writer,
                                                                a failure on another rank)
+        SKIPPED                                               (terminal, never queued)
 
     * WRITING: staged; this rank's writer owes the reply for the file(s).
     * WRITTEN: this rank's files are durable (not yet committed).
     * COMMITTING: every rank wrote; rank 0's writer is writing the manifest and pruning.
     * COMMITTED / FAILED: the agreed outcome, the same on every rank.
+    * SKIPPED: ``save(..., if_busy="skip")`` found the previous save still staging or writing
+      on some rank; every rank skipped it, nothing was copied or written.
     """
 
     WRITING = "writing"
@@ -33,6 +36,7 @@ class SaveState(enum.Enum):
     COMMITTING = "committing"
     COMMITTED = "committed"
     FAILED = "failed"
+    SKIPPED = "skipped"
 
 
 @dataclass

@@ -14,7 +14,7 @@ are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` c
 (after the files are durable, before replying), ``commit`` (rank 0's writer, before the
 manifest) and ``commit:write``/``commit:fsync``/``commit:replace`` (patched during the commit;
 ``target`` limits the fault to calls naming that file, e.g. ``latest``); actions ``exit``,
-``sigkill``, ``hang``, ``errno``.
+``sigkill``, ``hang``, ``errno``, and (phase ``recv`` only) ``slow``: sleep ``seconds``, then write.
 """
 
 from __future__ import annotations
@@ -198,7 +198,9 @@ class _Worker:
         from trainguard.checkpointing._staging import TensorSlot, rebuild
 
         fault = req.get("fault")
-        if fault and fault["phase"] == "recv":
+        if fault and fault["phase"] == "recv" and fault["action"] == "slow":
+            time.sleep(float(fault.get("seconds", 1.0)))  # a writer that falls behind
+        elif fault and fault["phase"] == "recv":
             _act(fault["action"], int(fault.get("errno", errno_mod.ENOSPC)))
         mm = self.maps[req["arena"]]
         offset, length = req["trailer"]

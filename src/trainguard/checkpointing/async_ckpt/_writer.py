@@ -189,9 +189,11 @@ class ArenaPool:
         within = self.budget_bytes is None or busy + self.size_for(nbytes) <= self.budget_bytes
         return len(self.busy) + 1 <= self.max_arenas and within
 
-    def acquire(self, nbytes: int, req_id: int, on_retire) -> Arena:
+    def acquire(self, nbytes: int, req_id: int, on_retire, prefault: bool = False) -> Arena:
         """A free arena of >= ``nbytes``, or a new one replacing the (too small) free ones;
-        ``on_retire(arena)`` runs before an arena is closed. Call after :meth:`can_acquire`."""
+        ``on_retire(arena)`` runs before an arena is closed. Call after :meth:`can_acquire`.
+        A new arena's pages are faulted in here only with ``prefault`` (``warmup``); otherwise
+        the first copy into it touches them (in the background for an overlapped save)."""
         fitting = [a for a in self.free if a.capacity >= nbytes]
         if fitting:
             arena = fitting[0]
@@ -201,7 +203,7 @@ class ArenaPool:
                 on_retire(old)
                 old.close()
             self.free = []
-            arena = Arena(self.size_for(nbytes))
+            arena = Arena(self.size_for(nbytes), prefault=prefault)
         self.busy[req_id] = arena
         return arena
 
