@@ -1,0 +1,123 @@
+"""Preemption callback logic: SIGTERM -> every rank stops at the same step, saves, exits.
+
+Lightning (>= 2.5.2) registers a SIGTERM handler that runs ``dist.broadcast`` *inside the signal
+handler*; when ranks receive SIGTERM at different instants (always across nodes) that collective
+pairs with an unrelated one or blocks until the grace ends. This callback replaces it once
+training starts with a handler that only sets a flag; the ranks agree on the flag at the next
+step boundary through the strategy's collective (``reduce_boolean_decision``), so all of them
+stop after the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from trainguard._core.logging import get_logger
+from trainguard.errors import ConfigError
+from trainguard.integrations.lightning._common import poll_checkpoint_io
+
+__all__ = ["PreemptionLogic"]
+
+_log = get_logger("trainguard.integrations.lightning")
+
+
+class PreemptionLogic:
+    """Graceful stop on SIGTERM (or the given signals) at a common step boundary.
+
+    Args:
+        signals: signals that request the stop (default SIGTERM).
+        check_every_n_steps: steps between stop decisions (>= 1); each is one boolean
+            all-reduce. With n > 1 the stop waits up to n - 1 steps more.
+        dirpath: where the stop checkpoint goes (default: the ``ModelCheckpoint``'s dirpath,
+            else ``trainer.default_root_dir/checkpoints``); None with ``save=False`` is fine.
+        save: write ``preempted-step=<step>.ckpt`` through ``trainer.save_checkpoint`` (all
+            ranks call it; with :class:`TrainguardCheckpointIO` it is committed before ``fit``
+            returns) before stopping.
+
+    After the stop ``fit`` returns normally; ``preempted_at_step`` holds the step (same on every
+    rank) and ``signal_to_stop_s`` the seconds from this rank's signal to the saved stop.
+
+    Raises:
+        ConfigError: a bad argument (constructor).
+
+    Blocking: the handler never blocks; each decision is one all-reduce; the stop pays one
+    checkpoint save.
+
+    Follows: Lightning's ``_SignalConnector`` SIGTERM handling; differences: no collective in
+    the signal handler, a common stop step on every rank, a checkpoint saved at that step.
+    """
+
+    def __init__(self, *, signals: tuple[int, ...] = (signal.SIGTERM,),
+                 check_every_n_steps: int = 1, dirpath: str | None = None,
+                 save: bool = True) -> None:
+        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) \
+                or check_every_n_steps < 1:
+            raise ConfigError(f"check_every_n_steps must be an int >= 1, got "
+                              f"{check_every_n_steps!r}")
+        if not signals:
+            raise ConfigError("signals must name at least one signal, e.g. (signal.SIGTERM,)")
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        self.check_every_n_steps = check_every_n_steps
+        self.dirpath = dirpath
+        self.save = bool(save)
+        self.requested = False
+        self.preempted_at_step: int | None = None
+        self.checkpoint_path: str | None = None
+        self.signal_to_stop_s: float | None = None
+        self._t_signal = 0.0
+        self._previous: dict[signal.Signals, Any] = {}
+        self._steps = 0
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.requested:  # a flag only: no I/O, no collective, no allocation of note
+            self.requested, self._t_signal = True, time.monotonic()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # after Lightning's own registration (Trainer._run), so its handler is replaced
+        self._steps = 0
+        for sig in self.signals:
+            previous = signal.signal(sig, self._on_signal)
+            self._previous.setdefault(sig, previous)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        poll_checkpoint_io(trainer)
+        self._steps += 1
+        if self._steps % self.check_every_n_steps or self.preempted_at_step is not None:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+            return
+        step = int(trainer.global_step)
+        self.preempted_at_step = step
+        _log.warning("preemption requested (%s): every rank stops after step %d",
+                     "this rank" if self.requested else "another rank", step)
+        if self.save:
+            path = os.path.join(self._dir(trainer), f"preempted-step={step}.ckpt")
+            trainer.save_checkpoint(path)
+            self.checkpoint_path = path
+        if self.requested:
+            self.signal_to_stop_s = time.monotonic() - self._t_signal
+        trainer.should_stop = True
+
+    def _dir(self, trainer: Any) -> str:
+        if self.dirpath is not None:
+            return self.dirpath
+        ckpt = getattr(trainer, "checkpoint_callback", None)
+        if ckpt is not None and getattr(ckpt, "dirpath", None):
+            return str(ckpt.dirpath)
+        return os.path.join(str(trainer.default_root_dir), "checkpoints")
