@@ -3,7 +3,8 @@
 Configured by ``TG_LT`` (JSON): ``ns`` ("lightning" or "pl"), ``root`` (checkpoints and events),
 ``max_steps``, ``step_s`` (sleep per training step), ``slow`` ([rank, factor]: that rank's steps
 take factor x longer), ``every`` (ModelCheckpoint every_n_train_steps), ``kill_after_save``
-([cycle, n]: rank 0 SIGKILLs itself right after its n-th save returned, write in flight),
+([cycle, n]: rank 0 SIGKILLs itself right after its n-th or a later save returned, with the
+write in flight, once an earlier save is committed),
 ``hang`` ([rank, step, cycle]: ``training_step`` sleeps forever), ``raise`` ([rank, step,
 iteration]: ``training_step`` raises, for the in-process recipe), ``preempt`` (add the
 PreemptionCallback), ``calc_after`` (FaultToleranceCallback.calculate_after_steps).
@@ -42,7 +43,7 @@ else:
 
     import trainguard.integrations.lightning as tgl
 
-from trainguard.straggler import ScoringConfig  # noqa: E402
+from trainguard.straggler import ScoringConfig
 
 
 def event(kind: str, **data: Any) -> None:
@@ -91,7 +92,9 @@ class KillingIO(tgl.TrainguardCheckpointIO):  # type: ignore[misc,valid-type]
         KillingIO.saves += 1
         event("saved", path=os.fspath(path), step=int(checkpoint["global_step"]),
               block_ms=self.last_block_s * 1e3)
-        if CFG.get("kill_after_save") == [CYCLE, KillingIO.saves]:
+        kill = CFG.get("kill_after_save")  # [cycle, n]: at the n-th save or later, once an
+        # earlier save is committed (a kill before any commit proves nothing)
+        if kill and kill[0] == CYCLE and KillingIO.saves >= kill[1] and latest(ckpt_dir()):
             event("kill", latest=latest(ckpt_dir()), listing=sorted(os.listdir(ckpt_dir())))
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -100,6 +103,7 @@ class Recorder(L.Callback):
     def __init__(self, ft: Any, straggler: Any, preempt: Any) -> None:
         self.ft, self.straggler, self.preempt = ft, straggler, preempt
         self.calculations = 0
+        self.reports = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         env = getattr(trainer.strategy, "cluster_environment", None)
@@ -110,6 +114,11 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         event("step", step=int(trainer.global_step))
+        reports = self.straggler.reports
+        if len(reports) != self.reports:
+            self.reports = len(reports)
+            event("report", flagged=sorted({s.rank for s in reports[-1].stragglers}),
+                  line=reports[-1].summary_line(), per_rank=reports[-1].per_rank)
         if self.ft is not None and self.ft.calculations != self.calculations:
             self.calculations = self.ft.calculations
             event("calculated", state=self.ft.state_dict(), timeouts=self.ft.client.timeouts)
@@ -122,7 +131,8 @@ def ckpt_dir() -> str:
 def build(iteration: int = 0) -> tuple[Any, list[Any]]:
     ft = tgl.FaultToleranceCallback(calculate_after_steps=CFG.get("calc_after", 4),
                                     required=CFG.get("ft", True)) if CFG.get("ft", True) else None
-    scoring = ScoringConfig(ratio_threshold=1.15, clear_ratio=1.05, floor_ms=1.0, floor_pct=1.0,
+    # 2 ranks: the median is the mean, so a 1.3x rank scores about 1.13 against it
+    scoring = ScoringConfig(ratio_threshold=1.07, clear_ratio=1.03, floor_ms=1.0, floor_pct=1.0,
                             consecutive=1, warmup_windows=1)
     straggler = tgl.StragglerCallback(window_steps=5, scoring=scoring)
     preempt = tgl.PreemptionCallback() if CFG.get("preempt") else None
@@ -139,7 +149,7 @@ def build(iteration: int = 0) -> tuple[Any, list[Any]]:
 
 
 def finish(trainer: Any, parts: list[Any]) -> None:
-    ft, straggler, preempt = parts
+    _ft, straggler, preempt = parts
     flagged = sorted({s.rank for r in straggler.reports for s in r.stragglers})
     ratios = [round(s.ratio, 3) for r in straggler.reports for s in r.stragglers]
     event("end", global_step=int(trainer.global_step), flagged=flagged, ratios=ratios,

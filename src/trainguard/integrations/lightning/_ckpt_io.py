@@ -4,6 +4,7 @@ Lightning calls a ``CheckpointIO`` only from ``Strategy.save_checkpoint`` / ``re
 on **global rank 0** (single device and DDP); FSDP and ModelParallel never call it (see
 :class:`ShardedCheckpointLogic` for those). Each save:
 
+0. at the first save into a directory, removes temporaries (``*.tmp.*``) a killed writer left;
 1. un-commits an existing file of the same name (its ``.commit.json`` sidecar goes first);
 2. stages the checkpoint dict into shared memory (the only blocking part) and hands the write to
    a persistent writer process (:class:`~trainguard.checkpointing.AsyncCheckpointer`), which
@@ -18,6 +19,7 @@ a save never leaves the directory without a committed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from datetime import timedelta
@@ -29,6 +31,7 @@ import xxhash
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing import AsyncCheckpointer, CorruptCheckpointError, commit_file
 from trainguard.checkpointing._latest import COMMIT_SUFFIX
+from trainguard.checkpointing.storage import TMP_MARK
 from trainguard.integrations.lightning._common import checkpoint_section
 
 __all__ = ["CheckpointIOLogic"]
@@ -55,6 +58,9 @@ class CheckpointIOLogic:
         CorruptCheckpointError: :meth:`load_checkpoint` of a committed file whose bytes differ
             from its sidecar.
 
+    On global rank 0 (``RANK`` unset or 0) the writer process is started by the constructor, so
+    it imports torch while the Trainer sets up; other ranks start none.
+
     Blocking: :meth:`save_checkpoint` blocks for the memcpy of the checkpoint's tensors (plus a
     free staging arena); :meth:`teardown` waits for every pending write (<= ``write_timeout``
     each). No collective anywhere (rank 0 only).
@@ -77,6 +83,9 @@ class CheckpointIOLogic:
         self._newest_done = 0  # highest seq committed
         self._removals: list[tuple[str, int]] = []  # (path, seq of the save it waits for)
         self._latest_submit: dict[str, int] = {}  # path -> seq of its newest save
+        self._cleaned: set[str] = set()
+        if os.environ.get("RANK", "0") == "0":
+            self._checkpointer()  # Lightning saves on global rank 0: start its writer now
 
     # -- the CheckpointIO interface ---------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -92,9 +101,9 @@ class CheckpointIOLogic:
         with checkpoint_section():
             ckpt = self._checkpointer()
             self.trainguard_poll()
-            folder = os.path.dirname(target)
-            if folder:
-                os.makedirs(folder, exist_ok=True)
+            folder = os.path.dirname(target) or "."
+            if folder not in self._cleaned:
+                self._clean_leftovers(folder)
             if os.path.lexists(target + COMMIT_SUFFIX):
                 os.unlink(target + COMMIT_SUFFIX)  # the old content is no longer "committed"
             self._seq += 1
@@ -168,6 +177,17 @@ class CheckpointIOLogic:
                 None, use_dist=False, write_timeout=self.write_timeout,
                 max_in_flight=self.max_in_flight, on_error=self.on_error)
         return self.checkpointer
+
+    def _clean_leftovers(self, folder: str) -> None:
+        """First save into ``folder``: make it, and delete temporaries of a killed writer."""
+        os.makedirs(folder, exist_ok=True)
+        busy = self.checkpointer is not None and self.checkpointer.num_unfinalized
+        if not busy:
+            for name in os.listdir(folder):
+                if TMP_MARK in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(folder, name))
+        self._cleaned.add(folder)
 
     def _commit(self, req: Any, target: str, step: int, seq: int) -> None:
         files = req.record.get("files", {})

@@ -94,6 +94,11 @@ class FaultToleranceLogic:
         set_active_client(self.client)
         self.client.start_section("setup")
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # what follows (waiting for checkpoint writes, teardown) is no training step: stop the
+        # client timeouts here; the launcher keeps watching the process itself
+        self.teardown(trainer, pl_module, "fit")
+
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not self.active:
             return

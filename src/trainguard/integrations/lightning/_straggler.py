@@ -187,7 +187,7 @@ class StragglerLogic:
 
 
 def _hook_ddp(model: Any, mode: bool | str) -> bool:
-    """Register :func:`_timed_allreduce` on a DDP-wrapped model; True when registered."""
+    """Register ``_ddp_hook.timed_allreduce`` on a DDP-wrapped model; True when registered."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -196,18 +196,8 @@ def _hook_ddp(model: Any, mode: bool | str) -> bool:
     group = model.process_group
     if mode == "auto" and dist.get_backend(group) != "gloo":
         return False
-    model.register_comm_hook(group, _timed_allreduce)
+    from trainguard.integrations.lightning._ddp_hook import timed_allreduce
+
+    model.register_comm_hook(group, timed_allreduce)
     return True
 
-
-def _timed_allreduce(group: Any, bucket: Any) -> Any:
-    """DDP communication hook: a blocking, detector-timed all-reduce (mean) of one bucket."""
-    import torch
-    import torch.distributed as dist
-
-    buf = bucket.buffer()
-    dist.all_reduce(buf, group=group)  # looked up at call time: the detector's timed wrapper
-    buf.div_(dist.get_world_size(group))
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
