@@ -6,7 +6,8 @@ take factor x longer), ``every`` (ModelCheckpoint every_n_train_steps), ``kill_a
 ([cycle, n]: rank 0 SIGKILLs itself right after its n-th or a later save returned, with the
 write in flight, once an earlier save is committed),
 ``hang`` ([rank, step, cycle]: ``training_step`` sleeps forever), ``raise`` ([rank, step,
-iteration]: ``training_step`` raises, for the in-process recipe), ``preempt`` (add the
+iteration]: ``training_step`` raises at that step or later, once a checkpoint is committed; for
+the in-process recipe, ``inprocess``), ``preempt`` (add the
 PreemptionCallback), ``calc_after`` (FaultToleranceCallback.calculate_after_steps).
 
 Every rank appends JSON events to ``root/events/rank<R>.jsonl``: ``start`` (cycle, pid, resumed
@@ -66,8 +67,9 @@ class Model(L.LightningModule):
         if hang and [RANK, step, CYCLE] == hang:
             event("hang", step=step)
             time.sleep(3600)
-        boom = CFG.get("raise")
-        if boom and [RANK, step, self.iteration] == boom:
+        boom = CFG.get("raise")  # once a checkpoint is committed (a resume must have one)
+        if boom and [RANK, self.iteration] == boom[::2] and step >= boom[1] \
+                and latest(ckpt_dir()):
             event("raise", step=step)
             raise RuntimeError(f"injected failure at step {step}")
         slow = CFG.get("slow")
@@ -166,6 +168,27 @@ def main() -> None:
     finish(trainer, parts)
 
 
+def main_inprocess() -> None:
+    """The in-process restart recipe (README "Lightning"): a new Trainer per iteration, the
+    process group made by the wrapper first, resume from the newest committed checkpoint."""
+    from trainguard.inprocess import CallWrapper, Wrapper
+
+    @Wrapper(soft_timeout=20.0, hard_timeout=30.0, barrier_timeout=60.0,
+             completion_timeout=60.0, heartbeat_timeout=30.0, termination_grace_time=1.0)
+    def train(cw: CallWrapper | None = None) -> int:
+        assert cw is not None
+        cw.init_process_group()  # Lightning then skips its own init_process_group
+        trainer, parts = build(cw.iteration)
+        ckpt = latest(ckpt_dir())
+        event("fit", iteration=cw.iteration, ckpt=ckpt, pid=os.getpid())
+        trainer.fit(Model(cw.iteration), ckpt_path=ckpt)
+        finish(trainer, parts)
+        event("done", iteration=cw.iteration, global_step=int(trainer.global_step))
+        return int(trainer.global_step)
+
+    train()
+
+
 if __name__ == "__main__":
-    main()
+    main_inprocess() if CFG.get("inprocess") else main()
     sys.exit(0)

@@ -187,3 +187,33 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     ckpt = torch.load(path, weights_only=False)
     assert ckpt["global_step"] == ends[0]["preempted"]
     assert exit_s < 30, exit_s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_inprocess_recipe_restarts_fit_in_the_same_processes(tmp_path: Path):
+    """README recipe: ``Trainer.fit`` inside ``inprocess.Wrapper``, a new Trainer per iteration;
+    rank 1 raises at step >= 10 -> both ranks restart in-process, resume from the newest committed
+    checkpoint and finish."""
+    _require("lightning")
+    cfg = {"ns": "lightning", "root": str(tmp_path), "max_steps": 20, "step_s": 0.03,
+           "ft": False, "inprocess": True, "raise": [1, 10, 0]}
+    env = {**os.environ, "TG_LT": json.dumps(cfg),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nproc-per-node", "2",
+           "--max-restarts", "0", "--ft-preload", "lightning", "--log-dir",
+           str(tmp_path / "logs"), "--rdzv-id", "ip", WORKER]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=LAUNCH_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    events = _events(tmp_path)
+    assert _find(events, "raise", rank=1)
+    for rank in (0, 1):
+        fits = _find(events, "fit", rank=rank)
+        pids = {e["pid"] for e in fits}
+        assert [e["iteration"] for e in fits] == [0, 1] and len(pids) == 1, fits  # same process
+        assert fits[0]["ckpt"] is None and fits[1]["ckpt"], fits
+        starts = _find(events, "start", rank=rank)
+        assert starts[1]["global_step"] == _step_of(fits[1]["ckpt"]) > 0, starts
+        done = _find(events, "done", rank=rank)
+        assert [(e["iteration"], e["global_step"]) for e in done] == [(1, 20)], done

@@ -109,8 +109,9 @@ class FaultToleranceLogic:
         self.client.shutdown_workload_monitoring()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.active:
-            self.client.end_all_sections()  # no collective here: a peer may be gone
+        # Lightning runs no teardown hook after an exception; no collective here (a peer may be
+        # gone); a new fit (e.g. the next in-process restart iteration) connects again
+        self.teardown(trainer, pl_module, "fit")
 
     # -- training ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,

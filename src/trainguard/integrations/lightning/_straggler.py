@@ -119,7 +119,8 @@ class StragglerLogic:
             self._owned = False
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._drop_open()
+        # Lightning runs no teardown hook after an exception: stop what this callback started
+        self.teardown(trainer, pl_module, "fit")
 
     def _drop_open(self) -> None:
         while self._open:  # an interrupted batch records nothing
