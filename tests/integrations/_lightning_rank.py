@@ -7,8 +7,9 @@ take factor x longer), ``every`` (ModelCheckpoint every_n_train_steps), ``kill_a
 write in flight, once an earlier save is committed),
 ``hang`` ([rank, step, cycle]: ``training_step`` sleeps forever), ``raise`` ([rank, step,
 iteration]: ``training_step`` raises at that step or later, once a checkpoint is committed; for
-the in-process recipe, ``inprocess``), ``preempt`` (add the
-PreemptionCallback), ``calc_after`` (FaultToleranceCallback.calculate_after_steps).
+the in-process recipe, ``inprocess``), ``preempt`` (add the PreemptionCallback), ``calc_after``
+(FaultToleranceCallback.calculate_after_steps), ``sharded`` ("dcp" or "torch": add a
+ShardedCheckpointCallback saving every 5 steps).
 
 Every rank appends JSON events to ``root/events/rank<R>.jsonl``: ``start`` (cycle, pid, resumed
 checkpoint, cluster environment, restored FT state), ``step`` (each batch end), ``calculated``,
@@ -69,7 +70,7 @@ class Model(L.LightningModule):
             time.sleep(3600)
         boom = CFG.get("raise")  # once a checkpoint is committed (a resume must have one)
         if boom and [RANK, self.iteration] == boom[::2] and step >= boom[1] \
-                and latest(ckpt_dir()):
+                and latest(ckpt_dir()) and (not CFG.get("sharded") or latest(sharded_dir())):
             event("raise", step=step)
             raise RuntimeError(f"injected failure at step {step}")
         slow = CFG.get("slow")
@@ -130,6 +131,10 @@ def ckpt_dir() -> str:
     return os.path.join(CFG["root"], "ckpt")
 
 
+def sharded_dir() -> str:
+    return os.path.join(CFG["root"], "sharded")
+
+
 def build(iteration: int = 0) -> tuple[Any, list[Any]]:
     ft = tgl.FaultToleranceCallback(calculate_after_steps=CFG.get("calc_after", 4),
                                     required=CFG.get("ft", True)) if CFG.get("ft", True) else None
@@ -138,7 +143,10 @@ def build(iteration: int = 0) -> tuple[Any, list[Any]]:
                             consecutive=1, warmup_windows=1)
     straggler = tgl.StragglerCallback(window_steps=5, scoring=scoring)
     preempt = tgl.PreemptionCallback() if CFG.get("preempt") else None
-    callbacks = [c for c in (ft, straggler, preempt) if c is not None]
+    sharded = tgl.ShardedCheckpointCallback(sharded_dir(),
+                                            every_n_train_steps=5, format=CFG["sharded"]) \
+        if CFG.get("sharded") else None
+    callbacks = [c for c in (ft, straggler, preempt, sharded) if c is not None]
     callbacks += [Recorder(ft, straggler, preempt),
                   ModelCheckpoint(dirpath=ckpt_dir(), save_top_k=1,
                                   every_n_train_steps=CFG.get("every", 4))]
@@ -147,11 +155,11 @@ def build(iteration: int = 0) -> tuple[Any, list[Any]]:
                         max_steps=CFG["max_steps"], callbacks=callbacks, plugins=[KillingIO()],
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, default_root_dir=CFG["root"])
-    return trainer, [ft, straggler, preempt]
+    return trainer, [ft, straggler, preempt, sharded]
 
 
 def finish(trainer: Any, parts: list[Any]) -> None:
-    _ft, straggler, preempt = parts
+    _ft, straggler, preempt, sharded = parts
     flagged = sorted({s.rank for r in straggler.reports for s in r.stragglers})
     ratios = [round(s.ratio, 3) for r in straggler.reports for s in r.stragglers]
     event("end", global_step=int(trainer.global_step), flagged=flagged, ratios=ratios,
@@ -159,7 +167,9 @@ def finish(trainer: Any, parts: list[Any]) -> None:
           preempted=preempt.preempted_at_step if preempt else None,
           preempt_path=preempt.checkpoint_path if preempt else None,
           signal_to_stop_s=preempt.signal_to_stop_s if preempt else None,
-          latest=latest(ckpt_dir()))
+          latest=latest(ckpt_dir()),
+          sharded_resumed=sharded.resumed_step if sharded else None,
+          sharded_saved=sharded.saved_steps if sharded else None)
 
 
 def main() -> None:

@@ -194,10 +194,10 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
 def test_inprocess_recipe_restarts_fit_in_the_same_processes(tmp_path: Path):
     """README recipe: ``Trainer.fit`` inside ``inprocess.Wrapper``, a new Trainer per iteration;
     rank 1 raises at step >= 10 -> both ranks restart in-process, resume from the newest committed
-    checkpoint and finish."""
+    checkpoint and finish. A ``ShardedCheckpointCallback`` (DCP) saves on every rank alongside."""
     _require("lightning")
     cfg = {"ns": "lightning", "root": str(tmp_path), "max_steps": 20, "step_s": 0.03,
-           "ft": False, "inprocess": True, "raise": [1, 10, 0]}
+           "ft": False, "inprocess": True, "raise": [1, 10, 0], "sharded": "dcp"}
     env = {**os.environ, "TG_LT": json.dumps(cfg),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nproc-per-node", "2",
@@ -217,3 +217,9 @@ def test_inprocess_recipe_restarts_fit_in_the_same_processes(tmp_path: Path):
         assert starts[1]["global_step"] == _step_of(fits[1]["ckpt"]) > 0, starts
         done = _find(events, "done", rank=rank)
         assert [(e["iteration"], e["global_step"]) for e in done] == [(1, 20)], done
+        # the sharded (DCP) callback path: every rank saved, and iteration 1 reloaded a step
+        # committed by iteration 0 (all ranks' shards durable)
+        end = _find(events, "end", rank=rank)[-1]
+        assert end["sharded_resumed"] in (5, 10, 15), end
+        assert 20 in end["sharded_saved"], end
+    assert latest(tmp_path / "sharded").endswith("step_000000020")

@@ -90,6 +90,8 @@ class ShardedCheckpointLogic:
                 state, step = self.checkpointer.load()
         except CheckpointNotFoundError:
             return
+        if step is None:
+            return
         set_state_dict(pl_module, list(trainer.optimizers), model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.resumed_step = int(step)
