@@ -137,7 +137,7 @@ def sharded_dir() -> str:
 
 def build(iteration: int = 0) -> tuple[Any, list[Any]]:
     ft = tgl.FaultToleranceCallback(calculate_after_steps=CFG.get("calc_after", 4),
-                                    required=CFG.get("ft", True)) if CFG.get("ft", True) else None
+                                    min_timeout=2.0) if CFG.get("ft", True) else None
     # 2 ranks: the median is the mean, so a 1.3x rank scores about 1.13 against it
     scoring = ScoringConfig(ratio_threshold=1.07, clear_ratio=1.03, floor_ms=1.0, floor_pct=1.0,
                             consecutive=1, warmup_windows=1)

@@ -37,6 +37,10 @@ class FaultToleranceLogic:
         calculate_after_steps: training steps (> 0) before the first calculation; it also waits
             for the first checkpoint save of the run, so the save's pause is part of what is
             measured. Recalculated every ``calculate_after_steps`` steps after that.
+        min_timeout: floor in seconds (> 0) of every calculated timeout. A step of 10 ms gives a
+            calculated heartbeat timeout of 50 ms at the default safety factor, which one pause
+            of the machine (another job, swapping, a slow file system) would exceed; 30 s by
+            default still catches a hang 20x sooner than the launcher's 600 s default.
         required: raise when the process was not started by ``trainguard launch`` (default);
             False: log a warning and do nothing.
         client: a :class:`RankMonitorClient` to use (default: a new one).
@@ -59,7 +63,10 @@ class FaultToleranceLogic:
     """
 
     def __init__(self, *, calculate_timeouts: bool = True, calculate_after_steps: int = 16,
-                 required: bool = True, client: RankMonitorClient | None = None) -> None:
+                 min_timeout: float = 30.0, required: bool = True,
+                 client: RankMonitorClient | None = None) -> None:
+        if not min_timeout > 0:
+            raise ConfigError(f"min_timeout must be > 0 seconds, got {min_timeout!r}")
         if isinstance(calculate_after_steps, bool) or not isinstance(calculate_after_steps, int) \
                 or calculate_after_steps < 1:
             raise ConfigError(f"calculate_after_steps must be an int >= 1, got "
@@ -67,6 +74,7 @@ class FaultToleranceLogic:
         self.calculate_timeouts = bool(calculate_timeouts)
         self.calculate_after_steps = calculate_after_steps
         self.required = bool(required)
+        self.min_timeout = float(min_timeout)
         self.client = client if client is not None else RankMonitorClient()
         self.active = False
         self.calculations = 0
@@ -163,6 +171,10 @@ class FaultToleranceLogic:
         """
         hb = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
         sec = self.client.calculate_and_set_section_timeouts(skip_if_not_ready=True)
+        current = self.client.state_dict()
+        floored = _floor(current, self.min_timeout)
+        if floored != current:
+            self.client.load_state_dict(floored)  # pushes the raised values to the monitor
         self.calculations += 1
         _log.info("fault tolerance: calculated timeouts %s", self.client.state_dict())
         return hb and sec
@@ -180,3 +192,20 @@ class FaultToleranceLogic:
     def loaded_state(self) -> dict[str, Any] | None:
         """What the last :meth:`load_state_dict` received (None: nothing was restored)."""
         return self._loaded_state
+
+
+def _floor(state: dict[str, Any], minimum: float) -> dict[str, Any]:
+    """``state`` (``RankMonitorClient.state_dict()``) with every timeout raised to ``minimum``."""
+    current = {k: dict(v) if isinstance(v, dict) else v
+               for k, v in state.get("current_timeouts", {}).items()}
+    hb = current.get("heartbeat")
+    if isinstance(hb, dict):
+        for key in ("initial", "subsequent"):
+            if isinstance(hb.get(key), (int, float)):
+                hb[key] = max(float(hb[key]), minimum)
+    sec = current.get("section")
+    if isinstance(sec, dict):
+        sec["section"] = {k: max(float(v), minimum) for k, v in sec.get("section", {}).items()}
+        if isinstance(sec.get("out_of_section"), (int, float)):
+            sec["out_of_section"] = max(float(sec["out_of_section"]), minimum)
+    return {"current_timeouts": current}
