@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
         import trainguard.integrations.lightning as tgl
     from trainguard.checkpointing import latest
     from trainguard.errors import ConfigError
+    from trainguard.straggler import ScoringConfig
 
     rank = int(os.environ.get("RANK", "0"))
     slow = 1.3 if rank == args.slow_rank else 1.0
@@ -87,7 +88,9 @@ def main(argv: list[str]) -> int:
             return DataLoader(torch.randn(50_000, 33), batch_size=16)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    straggler = tgl.StragglerCallback(window_steps=20)
+    # with 2 ranks the median is the mean: a 1.3x rank scores about 1.13 against it
+    straggler = tgl.StragglerCallback(window_steps=20, scoring=ScoringConfig(ratio_threshold=1.1,
+                                                                             clear_ratio=1.05))
     preempt = tgl.PreemptionCallback()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",

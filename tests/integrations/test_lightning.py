@@ -223,3 +223,19 @@ def test_inprocess_recipe_restarts_fit_in_the_same_processes(tmp_path: Path):
         assert end["sharded_resumed"] in (5, 10, 15), end
         assert 20 in end["sharded_saved"], end
     assert latest(tmp_path / "sharded").endswith("step_000000020")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S)
+def test_example_runs_under_trainguard_launch(tmp_path: Path):
+    _require("lightning")
+    example = HERE.parent.parent / "examples" / "lightning_train.py"
+    cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nproc-per-node", "2",
+           "--ft-preload", "lightning", "--log-dir", str(tmp_path / "logs"), str(example),
+           "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "30", "--every", "10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False,
+                          timeout=LAUNCH_TIMEOUT_S - 10)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "finished at step 30" in out, out[-3000:]
+    assert latest(tmp_path / "ckpt") == str(tmp_path / "ckpt" / "epoch=0-step=30.ckpt")
