@@ -3,9 +3,11 @@
 Lightning (>= 2.5.2) registers a SIGTERM handler that runs ``dist.broadcast`` *inside the signal
 handler*; when ranks receive SIGTERM at different instants (always across nodes) that collective
 pairs with an unrelated one or blocks until the grace ends. This callback replaces it once
-training starts with a handler that only sets a flag; the ranks agree on the flag at the next
-step boundary through the strategy's collective (``reduce_boolean_decision``), so all of them
-stop after the same step.
+training starts with a handler that only sets a flag. The ranks agree on the flags with a
+pipelined all-reduce on their own gloo group: at every check step each rank starts a
+non-blocking MAX all-reduce of its flag and reads the one it started at the previous check (long
+finished, so nothing waits for a slower peer); every rank reads the same result at the same step,
+so all of them stop after the same step, one check after the first signal.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 from trainguard._core.logging import get_logger
@@ -29,8 +32,10 @@ class PreemptionLogic:
 
     Args:
         signals: signals that request the stop (default SIGTERM).
-        check_every_n_steps: steps between stop decisions (>= 1); each is one boolean
-            all-reduce. With n > 1 the stop waits up to n - 1 steps more.
+        check_every_n_steps: steps between stop checks (>= 1); each starts one non-blocking
+            4-byte all-reduce. The stop comes one to two checks (n to 2n steps) after the signal.
+        group_timeout: seconds; timeout of the callback's gloo group (a check whose peer died
+            fails after it instead of hanging).
         dirpath: where the stop checkpoint goes (default: the ``ModelCheckpoint``'s dirpath,
             else ``trainer.default_root_dir/checkpoints``); None with ``save=False`` is fine.
         save: write ``preempted-step=<step>.ckpt`` through ``trainer.save_checkpoint`` (all
@@ -43,20 +48,24 @@ class PreemptionLogic:
     Raises:
         ConfigError: a bad argument (constructor).
 
-    Blocking: the handler never blocks; each decision is one all-reduce; the stop pays one
-    checkpoint save.
+    Blocking: the handler never blocks; a check waits only for an all-reduce started a check
+    earlier (normally complete); the stop pays one checkpoint save. ``on_train_start`` creates the
+    gloo group (a collective of all ranks).
 
     Follows: Lightning's ``_SignalConnector`` SIGTERM handling; differences: no collective in
-    the signal handler, a common stop step on every rank, a checkpoint saved at that step.
+    the signal handler, a common stop step on every rank agreed without a blocking collective per
+    step, a checkpoint saved at that step.
     """
 
     def __init__(self, *, signals: tuple[int, ...] = (signal.SIGTERM,),
                  check_every_n_steps: int = 1, dirpath: str | None = None,
-                 save: bool = True) -> None:
+                 save: bool = True, group_timeout: float = 120.0) -> None:
         if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) \
                 or check_every_n_steps < 1:
             raise ConfigError(f"check_every_n_steps must be an int >= 1, got "
                               f"{check_every_n_steps!r}")
+        if not group_timeout > 0:
+            raise ConfigError(f"group_timeout must be > 0 seconds, got {group_timeout!r}")
         if not signals:
             raise ConfigError("signals must name at least one signal, e.g. (signal.SIGTERM,)")
         self.signals = tuple(signal.Signals(s) for s in signals)
@@ -69,7 +78,10 @@ class PreemptionLogic:
         self.signal_to_stop_s: float | None = None
         self._t_signal = 0.0
         self._previous: dict[signal.Signals, Any] = {}
+        self.group_timeout = float(group_timeout)
         self._steps = 0
+        self._group: Any = None
+        self._pending: Any = None  # (work, tensor) of the all-reduce started at the last check
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.requested:  # a flag only: no I/O, no collective, no allocation of note
@@ -77,15 +89,24 @@ class PreemptionLogic:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # after Lightning's own registration (Trainer._run), so its handler is replaced
-        self._steps = 0
+        import torch.distributed as dist
+
+        self._steps, self._pending, self._group = 0, None, None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo",
+                                         timeout=timedelta(seconds=self.group_timeout))
         for sig in self.signals:
             previous = signal.signal(sig, self._on_signal)
             self._previous.setdefault(sig, previous)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._pending is not None:  # every rank started it: it completes
+            self._pending[0].wait()
+        self._pending, self._group = None, None
         self._restore()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._pending, self._group = None, None  # no wait: a peer may be gone
         self._restore()
 
     def _restore(self) -> None:
@@ -100,7 +121,7 @@ class PreemptionLogic:
         self._steps += 1
         if self._steps % self.check_every_n_steps or self.preempted_at_step is not None:
             return
-        if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+        if not self._decide():
             return
         step = int(trainer.global_step)
         self.preempted_at_step = step
@@ -113,6 +134,27 @@ class PreemptionLogic:
         if self.requested:
             self.signal_to_stop_s = time.monotonic() - self._t_signal
         trainer.should_stop = True
+
+    def _decide(self) -> bool:
+        """True when some rank's flag was set at the previous check (pipelined all-reduce);
+        without a process group, this rank's flag now."""
+        if self._group is None:
+            return self.requested
+        import torch
+        import torch.distributed as dist
+
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()  # started a check ago on every rank: normally already complete
+            decided = bool(flag.item())
+        if not decided:
+            flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            self._pending = (work, flag)
+        else:
+            self._pending = None
+        return decided
 
     def _dir(self, trainer: Any) -> str:
         if self.dirpath is not None:
