@@ -32,8 +32,10 @@ class PreemptionLogic:
 
     Args:
         signals: signals that request the stop (default SIGTERM).
-        check_every_n_steps: steps between stop checks (>= 1); each starts one non-blocking
-            4-byte all-reduce. The stop comes one to two checks (n to 2n steps) after the signal.
+        check_every_n_steps: steps between stop checks (>= 1, default 10); each starts one
+            non-blocking 4-byte all-reduce (~30-250 us of CPU, so checking every step would cost
+            up to 2 % of a 10 ms step). The stop comes n to 2n steps after the signal: lower it
+            for steps of seconds.
         group_timeout: seconds; timeout of the callback's gloo group (a check whose peer died
             fails after it instead of hanging).
         dirpath: where the stop checkpoint goes (default: the ``ModelCheckpoint``'s dirpath,
@@ -58,7 +60,7 @@ class PreemptionLogic:
     """
 
     def __init__(self, *, signals: tuple[int, ...] = (signal.SIGTERM,),
-                 check_every_n_steps: int = 1, dirpath: str | None = None,
+                 check_every_n_steps: int = 10, dirpath: str | None = None,
                  save: bool = True, group_timeout: float = 120.0) -> None:
         if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) \
                 or check_every_n_steps < 1:
