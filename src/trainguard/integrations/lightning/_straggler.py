@@ -184,7 +184,7 @@ class StragglerLogic:
             pl_module.log_dict({"straggler/step_ms_median": float(report.step_ms_median),
                                 "straggler/count": float(len(report.stragglers)),
                                 "straggler/worst_ratio": float(max(ratios, default=1.0))},
-                               rank_zero_only=True)
+                               on_step=True, on_epoch=False, rank_zero_only=True)
 
 
 def _hook_ddp(model: Any, mode: bool | str) -> bool:
