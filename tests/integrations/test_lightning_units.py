@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import types
 
 import pytest
@@ -64,3 +66,12 @@ def test_preemption_handler_only_sets_a_flag_and_is_restored():
     finally:
         logic.teardown(None, None, "fit")
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_importing_the_integration_imports_no_framework():
+    code = ("import sys, trainguard.integrations.lightning as m; "
+            "assert m.__all__ == sorted(m.__all__); "
+            "assert not {'lightning', 'pytorch_lightning'} & set(sys.modules), 'eager import'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

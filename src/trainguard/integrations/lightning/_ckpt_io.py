@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -91,8 +92,6 @@ class CheckpointIOLogic:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
         """Stage ``checkpoint`` and write it to ``path`` in the background (see module doc)."""
-        import time
-
         if storage_options is not None:
             raise TypeError("TrainguardCheckpointIO.save_checkpoint(..., storage_options=...) is "
                             "not supported; pass storage_options=None")
