@@ -13,6 +13,7 @@ SUBPACKAGES = [
     "trainguard.straggler",
     "trainguard.testing",
     "trainguard.fault_tolerance",
+    "trainguard.integrations",
 ]
 
 

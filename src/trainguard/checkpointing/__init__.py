@@ -4,9 +4,11 @@
   process; collective commit with checksums and a manifest written last.
 * :class:`CheckpointManager` - layout, commit marker, verification, retention over a storage.
 * :class:`LocalCheckpointManager` - node-local checkpoints, replicated to clique peers.
+* :func:`latest` - the newest committed checkpoint of a directory (``Trainer.fit(ckpt_path=)``).
 * :func:`storage_for` - local filesystem (default) or any fsspec URL.
 """
 
+from trainguard.checkpointing._latest import commit_file, latest
 from trainguard.checkpointing.async_ckpt import (
     AsyncCheckpointer,
     SaveRequest,
@@ -55,5 +57,7 @@ __all__ = [
     "Storage",
     "TensorAwareStateDict",
     "abort_all_checkpointers",
+    "commit_file",
+    "latest",
     "storage_for",
 ]

@@ -1,0 +1,204 @@
+"""Straggler-detection callback logic on Lightning's public hooks (no wrapped ``training_step``).
+
+Sections per training batch, in Lightning's automatic-optimization order::
+
+    on_train_batch_start -> "forward" -> on_before_backward -> "backward" -> on_after_backward
+    ... on_before_optimizer_step -> "optimizer" -> on_train_batch_end   (step marked here)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trainguard._core.logging import get_logger
+from trainguard.errors import ConfigError
+from trainguard.integrations.lightning._common import poll_checkpoint_io
+from trainguard.straggler import Detector, Report, ScoringConfig
+
+__all__ = ["StragglerLogic"]
+
+_log = get_logger("trainguard.integrations.lightning")
+_SECTIONS = ("forward", "backward", "optimizer")
+
+
+class StragglerLogic:
+    """Straggler detection for a Lightning ``fit``; reports on global rank 0.
+
+    Args:
+        window_steps: training steps per scored window (>= 1).
+        report_time_interval: seconds between reports (0: every scored window).
+        scoring: thresholds (:class:`~trainguard.straggler.ScoringConfig`).
+        log_metrics: log ``straggler/...`` metrics (step time, worst ratio, straggler count)
+            through ``pl_module.log_dict(rank_zero_only=True)`` on rank 0 at each report.
+        stop_if_detected: stop training gracefully when a straggler is reported: every
+            ``stop_check_interval`` steps all ranks agree (one boolean all-reduce through
+            ``strategy.reduce_boolean_decision``) and then set ``trainer.should_stop`` at that
+            same step; Lightning's own end-of-fit (checkpoint callbacks, teardown) follows.
+        stop_check_interval: steps between stop decisions (default: ``window_steps``).
+        on_report: called on rank 0 with each new :class:`~trainguard.straggler.Report`.
+        detector_kwargs: more :meth:`Detector.initialize` arguments (``actions``, ``store``, ...).
+        time_ddp_allreduce: DDP's gradient all-reduce runs in C++ inside ``backward``, so a fast
+            rank's wait for a slow one would count as its own compute and every rank would look
+            equally slow. ``"auto"`` (default: on with gloo, off with NCCL), True or False: register
+            a DDP communication hook that all-reduces each bucket through
+            ``torch.distributed.all_reduce`` (timed as collective wait by the detector). It
+            gives up the overlap of gradient communication with backward (small on CPU).
+
+    If :class:`Detector` is already initialized (by the user), it is used and left running.
+
+    Raises:
+        ConfigError: a bad argument (constructor).
+        StragglerConfigError: an invalid detector argument (``setup``).
+
+    Blocking: section marks and the step mark are clock reads (< 1 us); reports are scored on a
+    background thread (never a collective); the optional stop decision is one all-reduce.
+
+    Follows: NVRx ``StragglerDetectionCallback`` (deprecated); differences: runs on CPU, no
+    wrapped ``training_step``, no private checkpoint calls and no ``sys.exit``: the stop is a
+    collective decision at a step boundary that ends ``fit`` normally.
+    """
+
+    def __init__(self, *, window_steps: int = 20, report_time_interval: float = 0.0,
+                 scoring: ScoringConfig | None = None, log_metrics: bool = True,
+                 stop_if_detected: bool = False, stop_check_interval: int | None = None,
+                 on_report: Callable[[Report], None] | None = None,
+                 detector_kwargs: dict[str, Any] | None = None,
+                 time_ddp_allreduce: bool | str = "auto") -> None:
+        if time_ddp_allreduce not in (True, False, "auto"):
+            raise ConfigError(f"time_ddp_allreduce must be True, False or 'auto', got "
+                              f"{time_ddp_allreduce!r}")
+        interval = window_steps if stop_check_interval is None else stop_check_interval
+        for name, value in (("window_steps", window_steps), ("stop_check_interval", interval)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if not report_time_interval >= 0:
+            raise ConfigError(f"report_time_interval must be >= 0 seconds, got "
+                              f"{report_time_interval!r}")
+        self.window_steps = window_steps
+        self.report_time_interval = float(report_time_interval)
+        self.scoring = scoring
+        self.log_metrics = bool(log_metrics)
+        self.stop_if_detected = bool(stop_if_detected)
+        self.stop_check_interval = interval
+        self.on_report = on_report
+        self.detector_kwargs = dict(detector_kwargs or {})
+        self.time_ddp_allreduce = time_ddp_allreduce
+        self.ddp_hooked = False
+        self.reports: list[Report] = []
+        self.stopped_at_step: int | None = None
+        self._owned = False
+        self._active = False
+        self._open: list[Any] = []
+        self._sections: dict[str, Any] = {}
+        self._flagged = False
+        self._steps = 0
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self._active:
+            return
+        if not Detector.is_initialized():
+            Detector.initialize(window_steps=self.window_steps,
+                                report_time_interval=self.report_time_interval,
+                                scoring=self.scoring, **self.detector_kwargs)
+            self._owned = True
+        self._sections = {n: Detector.detection_section(n) for n in _SECTIONS}
+        self._active, self._flagged, self._steps = True, False, 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._active and self.time_ddp_allreduce is not False:
+            self.ddp_hooked = _hook_ddp(trainer.strategy.model, self.time_ddp_allreduce)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if not self._active:
+            return
+        self._drop_open()
+        self._active = False
+        if self._owned:
+            Detector.shutdown()
+            self._owned = False
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning runs no teardown hook after an exception: stop what this callback started
+        self.teardown(trainer, pl_module, "fit")
+
+    def _drop_open(self) -> None:
+        while self._open:  # an interrupted batch records nothing
+            self._open.pop().__exit__(RuntimeError, None, None)
+
+    def _enter(self, name: str) -> None:
+        self._drop_open()
+        section = self._sections[name]
+        section.__enter__()
+        self._open.append(section)
+
+    def _close(self) -> None:
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        if self._active:
+            self._enter("forward")
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._active:
+            self._close()
+            self._enter("backward")
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if self._active:
+            self._close()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._active:
+            self._enter("optimizer")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        poll_checkpoint_io(trainer)
+        if not self._active:
+            return
+        self._close()
+        self._steps += 1
+        report = Detector.generate_report_if_interval_elapsed()
+        if report is not None:
+            self._on_new_report(report, pl_module)
+        if self.stop_if_detected and self._steps % self.stop_check_interval == 0:
+            stop = bool(trainer.strategy.reduce_boolean_decision(self._flagged, all=False))
+            if stop and not trainer.should_stop:
+                self.stopped_at_step = int(trainer.global_step)
+                _log.warning("straggler detected: stopping at step %d on every rank",
+                             self.stopped_at_step)
+                trainer.should_stop = True
+
+    def _on_new_report(self, report: Report, pl_module: Any) -> None:
+        self.reports.append(report)
+        if report.stragglers:
+            self._flagged = True
+            _log.warning("straggler report: %s", report.summary_line())
+        if self.on_report is not None:
+            self.on_report(report)
+        if self.log_metrics and not report.warmup:
+            ratios = [s.ratio for s in report.stragglers]
+            pl_module.log_dict({"straggler/step_ms_median": float(report.step_ms_median),
+                                "straggler/count": float(len(report.stragglers)),
+                                "straggler/worst_ratio": float(max(ratios, default=1.0))},
+                               on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+def _hook_ddp(model: Any, mode: bool | str) -> bool:
+    """Register ``_ddp_hook.timed_allreduce`` on a DDP-wrapped model; True when registered."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return False
+    group = model.process_group
+    if mode == "auto" and dist.get_backend(group) != "gloo":
+        return False
+    from trainguard.integrations.lightning._ddp_hook import timed_allreduce
+
+    model.register_comm_hook(group, timed_allreduce)
+    return True
+
