@@ -19,7 +19,7 @@ from trainguard.fault_tolerance._args import parse_launch_args
 from trainguard.fault_tolerance.errors import LaunchConfigError
 
 HERE = Path(__file__).parent
-LEASE = "2.5"  # seconds; short, yet no false lapse when the machine is loaded
+LEASE = "3"  # seconds; short, yet no false lapse when the machine is loaded
 WORKER = str(HERE / "mn_worker.py")
 FAST = ["--monitor-interval", "0.05",
         "--ft-workers-stop-timeout", "2", "--ft-rank-termination-grace", "0.5",
