@@ -199,7 +199,7 @@ def test_duplicate_identity_is_refused_and_a_dead_ones_replacement_accepted(clus
     peer = cluster.launch(1, nnodes="3", endpoint=ep, conf="join_timeout=60")
     cluster.wait_for(first, "joined rendezvous generation")
     second = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
-    assert second.wait(30) == 2
+    assert second.wait(60) == 2
     assert "already owned by a live launcher" in second.text
     assert first.proc.poll() is None
     first.proc.kill()  # a restarted pod / requeued task comes back under the same identity
@@ -216,10 +216,10 @@ def test_mismatched_nnodes_and_too_few_nodes(cluster):
     first = cluster.launch(0, endpoint=ep, conf="is_host=1,join_timeout=12")
     cluster.wait_for(first, "joined rendezvous generation")
     other = cluster.launch(1, nnodes="3", endpoint=ep, conf="is_host=0")
-    assert other.wait(20) == 2
+    assert other.wait(60) == 2
     assert "give every launcher the same --nnodes" in other.text
-    assert first.wait(30) == 1
-    assert time.monotonic() - t0 < 30  # join timeout + start-up on a loaded machine
+    assert first.wait(60) == 1
+    assert time.monotonic() - t0 < 90  # join timeout + start-ups on a loaded machine
     assert "only 1 of at least 2 node(s) joined round 0" in first.text
 
 
