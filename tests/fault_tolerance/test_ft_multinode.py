@@ -19,10 +19,11 @@ from trainguard.fault_tolerance._args import parse_launch_args
 from trainguard.fault_tolerance.errors import LaunchConfigError
 
 HERE = Path(__file__).parent
+LEASE = "3"  # seconds; short, yet no false lapse when the machine is loaded
 WORKER = str(HERE / "mn_worker.py")
 FAST = ["--monitor-interval", "0.05",
         "--ft-workers-stop-timeout", "2", "--ft-rank-termination-grace", "0.5",
-        "--ft-lease-s", "1.5", "--ft-lease-interval-s", "0.25", "--ft-attribution", "false"]
+        "--ft-lease-s", LEASE, "--ft-lease-interval-s", "0.25", "--ft-attribution", "false"]
 
 
 class Node:
@@ -72,7 +73,7 @@ class Cluster:
         assert "listening on" in line, line
         return proc, port
 
-    def wait_for(self, node: Node, pattern: str, timeout: float = 40.0) -> re.Match[str]:
+    def wait_for(self, node: Node, pattern: str, timeout: float = 120.0) -> re.Match[str]:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             m = re.search(pattern, node.text)
@@ -146,7 +147,7 @@ def test_sigkilled_launcher_is_replaced_by_a_parked_spare(cluster):
     time.sleep(1.0)
     victim, survivor = nodes[1], nodes[0]
     victim.proc.kill()
-    cluster.wait_for(survivor, r"round 1: node node0 is group rank 0 of 2 \(node0, node2\)", 30)
+    cluster.wait_for(survivor, r"round 1: node node0 is group rank 0 of 2 \(node0, node2\)", 60)
     assert survivor.wait(60) == 0, survivor.text[-4000:]
     assert spare.wait(30) == 0, spare.text[-4000:]
     res = _results(survivor.text) + _results(spare.text)
@@ -188,7 +189,7 @@ def test_tcp_store_lost_every_node_exits_store_lost_within_lease(cluster):
         events = [json.loads(line) for line in
                   (cluster.tmp / f"logs{n.rank}" / "mn" / "launcher_events.jsonl").open()]
         fenced = next(e["wall"] for e in events if e["event"] == "fenced")
-        assert fenced - killed < 1.5 + 2.0, fenced - killed  # workers stopped within lease+2
+        assert fenced - killed < float(LEASE) + 2.0, fenced - killed  # stopped within lease+2
 
 
 def test_duplicate_identity_is_refused_and_a_dead_ones_replacement_accepted(cluster):
@@ -198,7 +199,7 @@ def test_duplicate_identity_is_refused_and_a_dead_ones_replacement_accepted(clus
     peer = cluster.launch(1, nnodes="3", endpoint=ep, conf="join_timeout=60")
     cluster.wait_for(first, "joined rendezvous generation")
     second = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
-    assert second.wait(30) == 2
+    assert second.wait(60) == 2
     assert "already owned by a live launcher" in second.text
     assert first.proc.poll() is None
     first.proc.kill()  # a restarted pod / requeued task comes back under the same identity
@@ -215,10 +216,10 @@ def test_mismatched_nnodes_and_too_few_nodes(cluster):
     first = cluster.launch(0, endpoint=ep, conf="is_host=1,join_timeout=12")
     cluster.wait_for(first, "joined rendezvous generation")
     other = cluster.launch(1, nnodes="3", endpoint=ep, conf="is_host=0")
-    assert other.wait(20) == 2
+    assert other.wait(60) == 2
     assert "give every launcher the same --nnodes" in other.text
-    assert first.wait(30) == 1
-    assert time.monotonic() - t0 < 30  # join timeout + start-up on a loaded machine
+    assert first.wait(60) == 1
+    assert time.monotonic() - t0 < 90  # join timeout + start-ups on a loaded machine
     assert "only 1 of at least 2 node(s) joined round 0" in first.text
 
 
