@@ -3,6 +3,7 @@
 Usage::
 
     python bench/ft_launcher.py [--ranks 2 4] [--faults 3] [--nvrx-python PY] [--skip-torchrun]
+    python bench/ft_launcher.py --nodes 3 --nodes-only [--faults 5]   # multi-node figures only
 
 Workload: a small DDP model over gloo on CPU that imports torch, builds its process group (on a
 per-attempt store prefix, which torchrun's restarts need) and DDP model at every (re)start and
@@ -23,6 +24,16 @@ every figure is a median over the faults, measured by the workload itself:
   (half a ``start_section`` + ``end_section`` pair), measured in a worker under the launcher
   (median of batches); ``empty_method_call_us`` is an empty Python method call in the same
   process, to read the figures against the machine's load.
+
+With ``--nodes N`` (see ``bench/_ft_nodes.py``), N simulated nodes (network namespaces on a
+bridge; root needed, else N launchers on localhost) each run one launcher with
+``--nproc-per-node`` 2; one node is lost (launcher and workers SIGKILLed) per run, ``--faults``
+runs, min/median/max reported:
+
+* ``torchrun_node_loss_to_restart_s``: torchrun c10d, ``--nnodes N-1:N``: kill -> every
+  survivor completed its first step of the next generation;
+* ``lease_s``, ``node_loss_to_restart_s``, ``store_loss_to_exit_s``, ``partition_to_fence_s``,
+  ``spare_promotion_s``: trainguard's multi-node launcher (null until it supports them).
 
 Headline keys are for the smallest ``--ranks``; ``by_ranks`` holds every configuration. Prints
 tables, then exactly one JSON line. Every run is bounded (``--timeout``) and its whole process
@@ -228,15 +239,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-torchrun", action="store_true", help="skip the torchrun baseline")
     p.add_argument("--skip-hang", action="store_true", help="skip the hang measurement")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launcher run")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="simulated nodes for the multi-node figures (0: skip them; >= 3)")
+    p.add_argument("--nodes-only", action="store_true",
+                   help="skip the single-node figures (their keys are reported as null)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.nodes and args.nodes < 3:
+        print("ft_launcher: --nodes must be >= 3 (one node is lost, and neither the store host "
+              "nor rank 0's node is chosen)", file=sys.stderr)
+        return 2
     load_start = round(os.getloadavg()[0], 2)
     by_ranks: dict[str, dict] = {}
-    failed = []
-    for ranks in args.ranks:
+    failed: list[str] = []
+    for ranks in [] if args.nodes_only else args.ranks:
         row: dict[str, object] = {}
         kinds = ["ours"] + ([] if args.skip_torchrun else ["torchrun"]) + \
             (["nvrx"] if args.nvrx_python else [])
@@ -257,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         ours, torchrun = row.get("crash_to_first_step_s"), row.get("torchrun_crash_to_first_step_s")
         row["ratio_vs_torchrun"] = round(torchrun / ours, 2) if ours and torchrun else None
         by_ranks[str(ranks)] = row
-    micro = run_micro(args)
-    _print_tables(by_ranks, micro)
-    head = by_ranks[str(min(args.ranks))]
+    micro = {} if args.nodes_only else run_micro(args)
+    nodes = run_nodes(args, failed) if args.nodes else {}
+    _print_tables(by_ranks, micro, nodes)
+    head = by_ranks.get(str(min(args.ranks)), {})
     result = {
         "bench": "ft_launcher", "ranks": args.ranks, "faults": args.faults,
         "hang_detect_overhead_s": head.get("hang_detect_overhead_s"),
@@ -268,17 +288,42 @@ def main(argv: list[str] | None = None) -> int:
         "torchrun_crash_to_first_step_s": head.get("torchrun_crash_to_first_step_s"),
         "nvrx_crash_to_first_step_s": head.get("nvrx_crash_to_first_step_s"),
         "ratio_vs_torchrun": head.get("ratio_vs_torchrun"),
-        "heartbeat_us_median": round(micro.get("heartbeat_us", -1), 3),
-        "section_us_median": round(micro.get("section_us", -1), 3),
-        "empty_method_call_us": round(micro.get("empty_call_us", -1), 3),
-        "hb_timeout_s": args.hb_timeout, "by_ranks": by_ranks, "failed_runs": failed,
+        "heartbeat_us_median": _round(micro.get("heartbeat_us")),
+        "section_us_median": _round(micro.get("section_us")),
+        "empty_method_call_us": _round(micro.get("empty_call_us")),
+        "hb_timeout_s": args.hb_timeout, "by_ranks": by_ranks,
+        "nodes": args.nodes or None, **{k: nodes.get(k) for k in NODE_KEYS},
+        "by_nodes": nodes.get("by_key"), "failed_runs": failed,
         "load_avg_1m": [load_start, round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(result))
     return 1 if failed else 0
 
 
-def _print_tables(by_ranks: dict[str, dict], micro: dict) -> None:
+NODE_KEYS = ("lease_s", "node_loss_to_restart_s", "store_loss_to_exit_s", "partition_to_fence_s",
+             "spare_promotion_s", "torchrun_node_loss_to_restart_s")
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def run_nodes(args: argparse.Namespace, failed: list[str]) -> dict:
+    """Multi-node figures (medians as the headline keys, min/median/max in ``by_key``)."""
+    from _ft_nodes import run_node_loss
+
+    by_key: dict[str, dict] = {}
+    if not args.skip_torchrun:
+        res = run_node_loss(args.nodes, 2, args.faults, args.timeout)
+        by_key["torchrun_node_loss_to_restart_s"] = res
+        failed += [f"torchrun nodes={args.nodes}: {e}" for e in res["errors"]]
+    out: dict[str, object] = {k: v["median"] for k, v in by_key.items()}
+    out["by_key"] = {k: {m: v[m] for m in ("min", "median", "max", "values")}
+                     for k, v in by_key.items()}
+    return out
+
+
+def _print_tables(by_ranks: dict[str, dict], micro: dict, nodes: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -295,6 +340,14 @@ def _print_tables(by_ranks: dict[str, dict], micro: dict) -> None:
         table.add_row(ranks, *["-" if v is None else str(v) for v in vals])
     console = Console(stderr=True)
     console.print(table)
+    if nodes.get("by_key"):
+        ntable = Table(title="multi-node (seconds: min / median / max)")
+        for c in ("figure", "min", "median", "max", "runs"):
+            ntable.add_column(c)
+        for key, row in nodes["by_key"].items():
+            ntable.add_row(key, *[str(row[m]) for m in ("min", "median", "max")],
+                           str(len(row["values"])))
+        console.print(ntable)
     console.print(f"heartbeat {micro.get('heartbeat_us', '?')} us/call, section mark "
                   f"{micro.get('section_us', '?')} us/call")
 
