@@ -144,9 +144,9 @@ def node_loss_once(n: int, nproc: int, timeout_s: float) -> dict:
                      if s["ev"] == "first_step" and s["t"] > t_kill and s["node"] != victim]
             return [s["t"] for s in after] if len({s["rank"] for s in after}) >= want else []
 
-        if not _wait_for(lambda: bool(back()), timeout_s / 2, 0.2):
+        if not _wait_for(lambda: bool(back()), timeout_s, 0.2):
             (folder / "stop").touch()
-            return {"error": f"survivors not back within {timeout_s / 2:.0f} s",
+            return {"error": f"survivors not back within {timeout_s:.0f} s",
                     "log": _tail(folder)}
         (folder / "stop").touch()
         return {"restart_s": round(max(back()) - t_kill, 3), "victim": victim,
