@@ -241,6 +241,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launcher run")
     p.add_argument("--nodes", type=int, default=0,
                    help="simulated nodes for the multi-node figures (0: skip them; >= 3)")
+    p.add_argument("--lease", type=float, default=2.0,
+                   help="trainguard's --ft-lease-s in the multi-node runs, seconds")
     p.add_argument("--nodes-only", action="store_true",
                    help="skip the single-node figures (their keys are reported as null)")
     return p.parse_args(argv)
@@ -310,17 +312,30 @@ def _round(value: float | None) -> float | None:
 
 def run_nodes(args: argparse.Namespace, failed: list[str]) -> dict:
     """Multi-node figures (medians as the headline keys, min/median/max in ``by_key``)."""
-    from _ft_nodes import run_node_loss
+    from _ft_nodes import SCENARIOS, run_scenario
 
+    keys = [] if args.skip_torchrun else ["torchrun_node_loss_to_restart_s"]
+    if _launcher_has_leases():
+        keys += [k for k in SCENARIOS if not k.startswith("torchrun")]
+    else:
+        failed.append("trainguard launch has no --ft-lease-s (multi-node launcher missing)")
     by_key: dict[str, dict] = {}
-    if not args.skip_torchrun:
-        res = run_node_loss(args.nodes, 2, args.faults, args.timeout)
-        by_key["torchrun_node_loss_to_restart_s"] = res
-        failed += [f"torchrun nodes={args.nodes}: {e}" for e in res["errors"]]
+    for key in keys:
+        res = run_scenario(key, args.nodes, 2, args.lease, args.faults, args.timeout)
+        by_key[key] = res
+        failed += [f"{key} nodes={args.nodes}: {e}" for e in res["errors"]]
     out: dict[str, object] = {k: v["median"] for k, v in by_key.items()}
+    out["lease_s"] = args.lease if len(keys) > 1 else None
     out["by_key"] = {k: {m: v[m] for m in ("min", "median", "max", "values")}
                      for k, v in by_key.items()}
     return out
+
+
+def _launcher_has_leases() -> bool:
+    out = subprocess.run([sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--help"],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    return "--ft-lease-s" in out.stdout
 
 
 def _print_tables(by_ranks: dict[str, dict], micro: dict, nodes: dict) -> None:
