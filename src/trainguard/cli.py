@@ -16,6 +16,7 @@ from collections.abc import Sequence
 _COMMANDS: dict[str, str] = {
     "demo": "trainguard._demo.cli",
     "launch": "trainguard.fault_tolerance._cli",
+    "store": "trainguard.fault_tolerance._store_cli",
     "analyze": "trainguard.attribution._cli",
     "attrsvc": "trainguard.attribution._cli",
     "straggler": "trainguard.straggler._cli",

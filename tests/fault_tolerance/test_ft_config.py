@@ -45,7 +45,7 @@ def test_pet_environment_sits_between_cli_and_defaults(tmp_path, monkeypatch):
     (["--ft-rank-section-timeouts", "step", "s.py"], "must look like 'step:30"),
     (["--ft-rank-termination-signal", "SIGNOPE", "s.py"], "unknown signal"),
     (["--ft-no-restart-exit-code", "300", "s.py"], "1..255"),
-    (["--nnodes", "2", "s.py"], "one node per job"),
+    (["--nnodes", "2", "s.py"], "needs --rdzv-endpoint"),
     (["--nproc-per-node", "0", "s.py"], "must be >= 1"),
     (["--max-restarts", "x", "s.py"], "not a valid int"),
     ([], "no training script"),

@@ -15,8 +15,11 @@ namespaced by the caller), timeouts raise :class:`StoreBarrierTimeout` (a ``Time
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -24,8 +27,10 @@ from trainguard._core.clock import Deadline
 from trainguard.errors import TrainguardError, TrainguardTimeout
 
 __all__ = [
+    "DeadlineStore",
     "StoreBarrierOverflow",
     "StoreBarrierTimeout",
+    "StoreCallTimeout",
     "counting_barrier",
     "is_store_timeout",
     "reentrant_arrivals",
@@ -167,3 +172,92 @@ def reentrant_barrier(
         f"(arrived: {sorted(arrived)})",
         arrived,
     )
+
+
+class StoreCallTimeout(TrainguardTimeout):
+    """A store call did not return within its deadline (the link may be dead: the call's thread
+    is abandoned and the next call opens a fresh connection)."""
+
+
+_T = TypeVar("_T")
+
+
+class DeadlineStore:
+    """Runs every call on a ``torch.distributed`` store under its own deadline.
+
+    A c10d client blocked on a dead link can stay blocked far beyond its own timeout (measured:
+    > 85 s with a 6 s store timeout after the host's link went down), so each call runs on a
+    worker thread and the caller waits at most ``deadline_s`` seconds. A call that overruns
+    abandons its worker thread and connection (a daemon thread, left to finish or fail on its
+    own); the next call builds a new connection from ``factory`` on a new thread. Calls from
+    several threads are serialised on one connection: give a thread that must never wait behind
+    another (a lease renewer) its own ``DeadlineStore``.
+
+    Args:
+        factory: builds a connected store; runs on the worker thread, under the call's deadline.
+        deadline_s: default seconds a call (including a reconnect) may take.
+        name: thread-name suffix, for debugging.
+    """
+
+    def __init__(self, factory: Callable[[], dist.Store], deadline_s: float,
+                 name: str = "store") -> None:
+        self._factory = factory
+        self.deadline_s = float(deadline_s)
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Any] | None = None
+        self._closed = False
+
+    def _worker(self, jobs: queue.SimpleQueue[Any]) -> None:
+        store: dist.Store | None = None
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                if store is None:
+                    store = self._factory()
+                box.append((True, fn(store)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[dist.Store], _T], deadline_s: float | None = None) -> _T:
+        """Run ``fn(store)`` and return its result; blocks at most ``deadline_s`` seconds
+        (default: the constructor's) plus the wait for calls of other threads queued ahead.
+
+        Raises:
+            StoreCallTimeout: no result within the deadline (the connection is dropped).
+            Exception: whatever ``fn`` or the store factory raised (e.g. c10d
+                ``DistNetworkError`` for a refused connection).
+        """
+        limit = self.deadline_s if deadline_s is None else deadline_s
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DeadlineStore is closed")
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._worker, args=(self._queue,), daemon=True,
+                                 name=f"tg-store-{self._name}").start()
+            jobs = self._queue
+            jobs.put((fn, box, done))
+            if not done.wait(limit):
+                jobs.put(None)  # the worker exits once (if ever) its call returns
+                self._queue = None
+                raise StoreCallTimeout(f"store call did not return within {limit:.3g} s "
+                                       f"({self._name}); the connection was dropped")
+        ok, value = box[0]
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
+
+    def close(self) -> None:
+        """Stop the worker thread (never blocks; a call in flight is abandoned)."""
+        with self._lock:
+            self._closed = True
+            if self._queue is not None:
+                self._queue.put(None)
+                self._queue = None

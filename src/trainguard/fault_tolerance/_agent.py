@@ -131,6 +131,13 @@ class Launcher:
     def monitor_fds(self) -> list[int]:
         return [m.sock.fileno() for m in self.monitors]
 
+    def extra_fds(self) -> list[int]:
+        """More descriptors the cycle watches (multi-node: the lease keeper's wake pipe)."""
+        return []
+
+    def check_external(self, res: _cycle.CycleResult, ready: list[int]) -> None:
+        """Called after each watch iteration; may end the cycle (multi-node rendezvous)."""
+
     def take_signals(self) -> list[int]:
         out, self._signals = self._signals, []
         return out

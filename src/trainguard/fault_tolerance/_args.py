@@ -25,13 +25,16 @@ __all__ = ["LaunchSpec", "build_parser", "parse_launch_args"]
 
 # torchrun flags: (option strings, dest, default, kind); kind: str | int | float | flag
 _TORCHRUN: list[tuple[tuple[str, ...], str, Any, str, str]] = [
-    (("--nnodes",), "nnodes", "1:1", "str", "number of nodes or MIN:MAX (only 1 node for now)"),
+    (("--nnodes",), "nnodes", "1:1", "str",
+     "number of nodes or MIN:MAX (nodes beyond MAX park as hot spares)"),
     (("--nproc-per-node", "--nproc_per_node"), "nproc_per_node", "1", "str",
      "workers per node: an integer, 'cpu', 'gpu' or 'auto'"),
-    (("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "static", "str", "rendezvous backend"),
+    (("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "static", "str",
+     "rendezvous backend: static (one node) or trainguard/c10d (default when --nnodes > 1)"),
     (("--rdzv-endpoint", "--rdzv_endpoint"), "rdzv_endpoint", "", "str", "host:port of the store"),
     (("--rdzv-id", "--rdzv_id"), "rdzv_id", "none", "str", "job id (TORCHELASTIC_RUN_ID)"),
-    (("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "", "str", "key=value,... (timeout in s)"),
+    (("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "", "str",
+     "key=value,...: join_timeout, last_call_timeout (s), store_type=tcp|file, is_host=0|1"),
     (("--standalone",), "standalone", False, "flag", "single node, free local ports"),
     (("--max-restarts", "--max_restarts"), "max_restarts", 0, "int",
      "restart cycles of the whole job before giving up (global count)"),
@@ -55,7 +58,8 @@ _TORCHRUN: list[tuple[tuple[str, ...], str, Any, str, str]] = [
      "", "str", "accepted for compatibility (ignored)"),
     (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), "duplicate_stderr_filters",
      "", "str", "accepted for compatibility (ignored)"),
-    (("--node-rank", "--node_rank"), "node_rank", 0, "int", "rank of this node"),
+    (("--node-rank", "--node_rank"), "node_rank", None, "int",
+     "identity of this node (multi-node: unique per live launcher; default 0 on one node)"),
     (("--master-addr", "--master_addr"), "master_addr", "127.0.0.1", "str", "MASTER_ADDR"),
     (("--master-port", "--master_port"), "master_port", None, "int",
      "MASTER_PORT (default: a free port reserved by the launcher, fresh every cycle)"),
@@ -98,6 +102,15 @@ _FT: list[tuple[str, str]] = [
     ("pg_timeout", "process-group timeout of the workers, for the timeout-chain check (1800)"),
 ]
 
+# multi-node options outside FaultToleranceConfig: (flag, dest, default seconds, help)
+_LEASE: list[tuple[str, str, float | None, str]] = [
+    ("--ft-lease-s", "lease_s", 5.0,
+     ("multi-node: seconds without a lease renewal after which a launcher counts as lost "
+      "(peers open the next round; the launcher itself stops its workers and exits 75)")),
+    ("--ft-lease-interval-s", "lease_interval_s", None,
+     "multi-node: seconds between lease renewals (default lease / 5)"),
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
@@ -124,6 +137,20 @@ class LaunchSpec:
     script: str
     script_args: tuple[str, ...]
     ft: FaultToleranceConfig
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    node_rank_given: bool = False
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    local_addr: str | None = None
+    lease_s: float = 5.0
+    lease_interval_s: float = 1.0
+
+    @property
+    def multinode(self) -> bool:
+        """True when the job spans nodes (``--nnodes`` > 1 or a trainguard/c10d backend)."""
+        return self.nnodes_max > 1 or self.rdzv_backend in ("trainguard", "c10d")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(*opts, dest=dest, action="store_true", default=None, help=help_)
         else:
             parser.add_argument(*opts, dest=dest, default=None, help=f"{help_} (default {default})")
+    for flag, dest, default, help_ in _LEASE:
+        parser.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=dest, default=None,
+                            help=f"{help_} (default {default})" if default else help_)
     parser.add_argument("--ft-cfg-path", "--ft_cfg_path", dest="ft_cfg_path", default=None,
                         help="YAML file with a 'fault_tolerance:' section (any depth)")
     for name, help_ in _FT:
@@ -198,6 +228,7 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchSpec:
     values = {dest: _resolve(ns, dest, default, kind)
               for _, dest, default, kind, _ in _TORCHRUN}
     ft = _ft_config(ns)
+    values["lease_s"], values["lease_interval_s"] = ns.lease_s, ns.lease_interval_s
     return _spec(values, rest[0], tuple(rest[1:]), ft)
 
 
@@ -266,10 +297,15 @@ def _streams(flag: str, raw: str, nproc: int) -> dict[int, int]:
 
 def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultToleranceConfig
           ) -> LaunchSpec:
-    nnodes = str(v["nnodes"])
-    if nnodes.split(":")[0] not in ("1",) or nnodes.split(":")[-1] not in ("1",):
-        raise LaunchConfigError(f"--nnodes {nnodes}: this version runs one node per job "
-                                "(multi-node comes later); use --nnodes 1")
+    nmin, nmax = _nnodes(str(v["nnodes"]))
+    backend = str(v["rdzv_backend"]).strip().lower()
+    if nmax > 1 and backend == "static":
+        backend = "trainguard"
+    if backend not in ("static", "trainguard", "c10d"):
+        raise LaunchConfigError(f"--rdzv-backend {backend!r}: use static (one node) or "
+                                "trainguard/c10d (several nodes)")
+    multinode = backend != "static"
+    lease_s, interval_s = _lease(v.get("lease_s"), v.get("lease_interval_s"))
     nproc = _nproc(v["nproc_per_node"])
     if v["max_restarts"] < 0:
         raise LaunchConfigError(f"--max-restarts must be >= 0, got {v['max_restarts']}")
@@ -282,7 +318,10 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
     master_port = v["master_port"]
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")
-    if endpoint and not v["standalone"]:
+    if multinode and not endpoint:
+        raise LaunchConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (a TCP store) or "
+                                "a shared file path with --rdzv-conf store_type=file")
+    if endpoint and not v["standalone"] and not multinode:
         host, _, port = endpoint.rpartition(":")
         master_port = _endpoint(host or endpoint, port, master_port)
     filt = str(v["local_ranks_filter"]).strip()
@@ -300,12 +339,49 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
         no_python=bool(v["no_python"]), log_dir=v["log_dir"],
         redirects=_streams("--redirects", v["redirects"], nproc),
         tee=_streams("--tee", v["tee"], nproc), local_ranks_filter=ranks,
-        node_rank=int(v["node_rank"]), master_addr=str(v["master_addr"]),
+        node_rank=int(v["node_rank"] or 0), master_addr=str(v["master_addr"]),
         master_port=master_port, virtual_local_rank=bool(v["virtual_local_rank"]),
         rdzv_timeout_s=rdzv_conf.get("timeout"),
         shutdown_timeout_s=float(shutdown) if shutdown is not None else None,
         signals_to_handle=_signal_names(str(v["signals_to_handle"])),
-        script=script, script_args=args, ft=ft)
+        script=script, script_args=args, ft=ft, nnodes_min=nmin, nnodes_max=nmax,
+        node_rank_given=v["node_rank"] is not None, rdzv_backend=backend,
+        rdzv_endpoint=endpoint, rdzv_conf=_raw_conf(str(v["rdzv_conf"])),
+        local_addr=v["local_addr"], lease_s=lease_s, lease_interval_s=interval_s)
+
+
+def _nnodes(raw: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> (MIN, MAX)."""
+    lo, _, hi = raw.strip().partition(":")
+    try:
+        nmin, nmax = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchConfigError(f"--nnodes {raw!r}: use a number of nodes or MIN:MAX") from None
+    if nmin < 1 or nmax < nmin:
+        raise LaunchConfigError(f"--nnodes {raw!r}: need 1 <= MIN <= MAX")
+    return nmin, nmax
+
+
+def _lease(lease: Any, interval: Any) -> tuple[float, float]:
+    try:
+        lease_s = float(lease) if lease is not None else 5.0
+        interval_s = float(interval) if interval is not None else lease_s / 5
+    except ValueError:
+        raise LaunchConfigError("--ft-lease-s / --ft-lease-interval-s take seconds") from None
+    if not 0 < interval_s < lease_s:
+        raise LaunchConfigError(f"--ft-lease-interval-s {interval_s:g} must be > 0 and below "
+                                f"--ft-lease-s {lease_s:g}")
+    return lease_s, interval_s
+
+
+def _raw_conf(raw: str) -> tuple[tuple[str, str], ...]:
+    """``--rdzv-conf`` as (key, value) pairs, values verbatim (validated where used)."""
+    out = []
+    for part in raw.split(","):
+        key, sep, value = part.partition("=")
+        if sep and key.strip():
+            out.append((key.strip(), value.strip()))
+    return tuple(out)
 
 
 def _signal_names(raw: str) -> tuple[str, ...]:

@@ -37,7 +37,9 @@ class Outcome(enum.Enum):
 
 @dataclasses.dataclass
 class Failure:
-    """One failed rank: ``kind`` is exit | signal | hang | no_client | monitor."""
+    """One failed rank: ``kind`` is exit | signal | hang | no_client | monitor; multi-node
+    adds peer (another node ended the round; ``rank`` -1) and fence (this node lost its
+    lease)."""
 
     rank: int
     kind: str
@@ -130,11 +132,12 @@ def watch_cycle(launcher: Launcher, res: CycleResult, workers: list[Worker]) -> 
     next_report = time.monotonic() + 5.0
     try:
         while res.outcome is Outcome.RUNNING:
-            fds = [launcher.wake_r, *pidfds, *launcher.monitor_fds()]
+            fds = [launcher.wake_r, *pidfds, *launcher.monitor_fds(), *launcher.extra_fds()]
             if launcher.server is not None and launcher.server.ready:
                 fds.append(launcher.server.fileno())
             ready, _, _ = select.select(fds, [], [], launcher.spec.monitor_interval_s)
             _collect(launcher, res, by_pid, pidfds, ready)
+            launcher.check_external(res, ready)
             if res.outcome is Outcome.RUNNING and all(w.exitcode == 0 for w in workers):
                 res.outcome = Outcome.SUCCEEDED
             if time.monotonic() >= next_report:

@@ -117,6 +117,7 @@ def print_summary(launcher: Launcher) -> None:
     """One row per cycle on stderr, then the root cause of the first failed cycle."""
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:  # rich is a dependency; stay useful without it
         for r in launcher.results:
@@ -132,7 +133,8 @@ def print_summary(launcher: Launcher) -> None:
         if r.outcome is Outcome.SIGNALLED:
             cause = f"launcher got signal {r.signum}"
         table.add_row(str(r.cycle), r.outcome.value, "warm" if r.warm else "cold",
-                      f"{(r.ended_ns - r.started_ns) / 1e9:.1f}", cause[:160], r.verdict)
+                      f"{(r.ended_ns - r.started_ns) / 1e9:.1f}", escape(cause[:160]),
+                      r.verdict)
     console = Console(stderr=True, width=160)
     console.print(table)
     first = next((r for r in launcher.results if r.root_cause), None)

@@ -22,6 +22,7 @@ Follows: ``torchrun`` (torch 2.13 flags, ``PET_*`` variables, worker environment
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -60,7 +61,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in check_timeout_chain(spec.ft, spec.rdzv_timeout_s):
         log.warning("timeout chain: %s", line)
     try:
+        if spec.multinode:
+            if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # before torch loads: no C++ stack
+                os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # dumps per store retry
+                os.environ["TRAINGUARD_QUIET_CPP"] = "1"  # (workers get the default back)
+            from trainguard.fault_tolerance._multinode import MultiNodeLauncher
+
+            code = MultiNodeLauncher(spec).run()
+            # Every child is reaped by now; a store client thread blocked on a dead link (or
+            # still retrying a refused connection) must not delay the exit by seconds.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         return Launcher(spec).run()
+    except LaunchConfigError as exc:
+        print(f"trainguard launch: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except LauncherError as exc:
         print(f"trainguard launch: error: {exc}", file=sys.stderr)
         return 1
