@@ -4,10 +4,10 @@ Trains a tiny model with DDP over gloo from a fixed seed. Every rank feeds the s
 step, so the averaged gradient, and hence the final weights, do not depend on the world size:
 the weights' checksum is comparable with :func:`reference_checksum` run in one process.
 
-Progress goes to ``DIR``: ``progress_<cycle>_<rank>`` holds the last step done. In cycle 0
-ranks keep stepping past ``--steps`` until ``DIR/release`` exists (so a test can inject a fault
-while training runs, then let it finish); later cycles stop at ``--steps``. At the end each rank
-writes ``result_<cycle>_<rank>.json`` (rank, world, group rank, node name, cycle, checksum).
+Progress goes to ``DIR``: ``progress_<cycle>_<rank>`` holds the last step done. Ranks keep
+stepping past ``--steps`` (without changing the weights) until ``DIR/release`` exists, so a test
+can inject a fault while training runs, wait for the next cycle, then let it finish. At the end
+each rank writes ``result_<cycle>_<rank>.json`` (rank, world, group, node, cycle, checksum).
 When ``DIR/exclude_<group rank>`` appears in cycle 0, local rank 0 of that node asks the launcher
 to exclude the node (``WorkloadAction.ExcludeThisNode``) and exits 3.
 """
@@ -23,7 +23,7 @@ import time
 import torch
 
 STEPS = 12
-HOLD_S = 90.0  # cycle 0 waits at most this long for DIR/release
+HOLD_S = 90.0  # a cycle waits at most this long for DIR/release
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -71,12 +71,12 @@ def main() -> int:
     step = 0
     group = int(os.environ.get("GROUP_RANK", "0"))
     exclude = os.path.join(folder, f"exclude_{group}")
-    while step < steps or (cycle == 0 and not _released(release, hold_until)):
+    while step < steps or not _released(release, hold_until):
         if cycle == 0 and os.environ.get("LOCAL_RANK") == "0" and os.path.exists(exclude):
             return _ask_exclusion()
         if step < steps:
             train_step(ddp, opt, step)
-        else:  # held in cycle 0: keep the ranks in lockstep without changing the weights
+        else:  # held: keep the ranks in lockstep without changing the weights
             _idle_step()
         with open(os.path.join(folder, f"progress_{cycle}_{rank}"), "w") as fh:
             fh.write(str(step))

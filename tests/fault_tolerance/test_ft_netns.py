@@ -37,7 +37,8 @@ NPROC = 2
 EXIT_STORE_LOST = 75
 SLACK_S = 3.0  # scheduling slack on a loaded 2-core CI machine, added to every bound
 FAST = ["--monitor-interval", "0.05", "--ft-workload-check-interval", "0.05",
-        "--ft-workers-stop-timeout", "2", "--ft-rank-termination-grace", "0.5"]
+        "--ft-workers-stop-timeout", "2", "--ft-rank-termination-grace", "0.5",
+        "--ft-attribution", "false"]
 _PORTS = iter(range(29610, 29700))
 
 
@@ -50,8 +51,9 @@ def cluster():
 class Job:
     """One multi-node job on the shared cluster: a store on n0 and launchers on n1..n4."""
 
-    def __init__(self, cluster: SimNodes, folder: Path, nnodes: str = "2:3") -> None:
-        self.c, self.dir, self.nnodes = cluster, folder, nnodes
+    def __init__(self, cluster: SimNodes, folder: Path, nnodes: str = "2:3",
+                 lease_s: float = LEASE_S) -> None:
+        self.c, self.dir, self.nnodes, self.lease_s = cluster, folder, nnodes, lease_s
         self.port = next(_PORTS)
         self.store: subprocess.Popen | None = None
         self.launchers: dict[int, subprocess.Popen] = {}  # node index (1..4) -> launcher
@@ -69,7 +71,7 @@ class Job:
         cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nnodes",
                self.nnodes, "--nproc-per-node", str(NPROC), "--rdzv-endpoint",
                f"{self.c[0].addr}:{self.port}", "--rdzv-id", "netns", "--node-rank", str(rank),
-               "--local-addr", self.c[i].addr, "--ft-lease-s", str(LEASE_S), "--max-restarts",
+               "--local-addr", self.c[i].addr, "--ft-lease-s", str(self.lease_s), "--max-restarts",
                "3", "--log-dir", str(self.dir / f"logs{i}{tag}"), *FAST, *extra,
                str(HERE / "netns_worker.py"), str(self.dir)]
         env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
@@ -86,6 +88,8 @@ class Job:
         self.wait_training(cycle=0)
         if spare:
             self.start(4)
+            log = self.dir / "launcher4.log"
+            _wait(lambda: b"hot spare" in log.read_bytes(), 60, f"spare parked\n{self.logs()}")
 
     def wait_training(self, cycle: int, world: int = 3 * NPROC, timeout_s: float = 90) -> None:
         def stepping() -> bool:
@@ -230,10 +234,11 @@ def test_non_store_node_link_down_fences_it_and_the_rest_finish(job, cluster):
     codes = job.wait_exit({3: job.launchers[3]}, _fence_bound())
     print(f"node link down -> it fenced in {time.monotonic() - t:.2f} s")
     assert codes[3] == EXIT_STORE_LOST, job.logs()
+    job.wait_training(cycle=1)  # the spare took the lost node's place: 3 nodes again
     job.release()
     rest = job.wait_exit({i: job.launchers[i] for i in (1, 2, 4)}, 120)
     assert set(rest.values()) == {0}, (rest, job.logs())
-    job.assert_right_result()  # the spare took the lost node's place: 3 nodes again
+    job.assert_right_result()
 
 
 def test_one_way_partition_has_no_split_brain(job, cluster):
@@ -243,6 +248,7 @@ def test_one_way_partition_has_no_split_brain(job, cluster):
     codes = job.wait_exit({2: job.launchers[2]}, _fence_bound())
     print(f"partitioned node fenced in {time.monotonic() - t:.2f} s")
     assert codes[2] == EXIT_STORE_LOST, job.logs()
+    job.wait_training(cycle=1, world=2 * NPROC)
     job.release()
     rest = job.wait_exit({1: job.launchers[1], 3: job.launchers[3]}, 120)
     assert set(rest.values()) == {0}, (rest, job.logs())
@@ -252,6 +258,7 @@ def test_one_way_partition_has_no_split_brain(job, cluster):
 
 
 def test_flapping_link_restarts_at_most_once(job, cluster):
+    job.lease_s = 5.0  # the link is down for less than a lease: the node must not fence
     job.start_all(spare=False)
     cluster.flap(3, 2.0)
     job.release()
@@ -271,19 +278,25 @@ def test_slow_link_is_not_a_failure(job, cluster):
 
 
 def test_launcher_sigkilled_and_replaced_under_the_same_node_rank(job):
+    job.nnodes = "3:3"  # the survivors wait for a third node: the replacement
     job.start_all(spare=False)
-    _kill_node(job.launchers[2])
-    job.start(2, tag="b")  # same node, same --node-rank 1
+    job.launchers[2].kill()  # the launcher only: its workers are orphaned, not killed by us
+    job.launchers[2].wait(timeout=10)
+    again = job.start(2, tag="b")  # same node, same --node-rank 1
     job.wait_training(cycle=1)
     job.release()
-    codes = job.wait_exit({1: job.launchers[1], 3: job.launchers[3]}, 120)
+    codes = job.wait_exit({1: job.launchers[1], 2: again, 3: job.launchers[3]}, 120)
     assert set(codes.values()) == {0}, (codes, job.logs())
     job.assert_right_result()
+    left = subprocess.run(["ip", "netns", "pids", job.c[2].netns], capture_output=True,
+                          text=True, check=False).stdout.split()
+    assert not left, f"the killed launcher's workers outlived the job: {left}"
 
 
 def test_rank0_node_lost_a_new_rank0_is_chosen(job):
     job.start_all(spare=True)
     _kill_node(job.launchers[1])  # node rank 0: group rank 0, publishes MASTER_ADDR
+    job.wait_training(cycle=1)
     job.release()
     codes = job.wait_exit({i: job.launchers[i] for i in (2, 3, 4)}, 120)
     assert set(codes.values()) == {0}, (codes, job.logs())
@@ -297,6 +310,7 @@ def test_excluded_node_is_replaced_by_the_spare(job):
     _exclude_request(job.dir, group=1)
     codes = job.wait_exit({2: job.launchers[2]}, 60)
     assert codes[2] != 0, "the excluded node leaves with a failure code"
+    job.wait_training(cycle=1)
     job.release()
     rest = job.wait_exit({i: job.launchers[i] for i in (1, 3, 4)}, 120)
     assert set(rest.values()) == {0}, (rest, job.logs())
