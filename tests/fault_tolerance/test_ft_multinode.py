@@ -157,7 +157,7 @@ def test_elastic_min_nodes_survivor_continues_alone_on_file_store(cluster):
     """--nnodes 1:2 on a file store: one node's launcher dies, the other re-forms alone."""
     ep = str(cluster.tmp / "rdzv.store")
     nodes = [cluster.launch(r, "--max-restarts", "1", nnodes="1:2", endpoint=ep,
-                            conf="store_type=file,last_call_timeout=1",
+                            conf="store_type=file,last_call_timeout=90",
                             script_args=("--steps", "10", "--steps0", "3000"))
              for r in (0, 1)]
     for n in nodes:

@@ -20,7 +20,9 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
+from trainguard._core.clock import Deadline
 from trainguard._core.net import reserve_port
+from trainguard._core.store import StoreCallTimeout
 from trainguard.fault_tolerance import _cycle
 from trainguard.fault_tolerance._agent import EXIT_FAILED, Launcher
 from trainguard.fault_tolerance._args import LaunchSpec
@@ -32,6 +34,7 @@ from trainguard.fault_tolerance._rdzv import (
     resolve_identity,
 )
 from trainguard.fault_tolerance._report import after_failure
+from trainguard.fault_tolerance.errors import LaunchConfigError, LauncherError
 
 __all__ = ["EXIT_STORE_LOST", "MultiNodeLauncher"]
 
@@ -125,7 +128,13 @@ class MultiNodeLauncher(Launcher):
     def _setup(self) -> None:
         self.rdzv = Rendezvous(self.spec, self.identity, self._lease_w)
         self.rdzv.interrupted = self._pending_stop
-        self.rdzv.start()
+        try:
+            self.rdzv.start()
+        except LaunchConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise LauncherError(f"the rendezvous store failed while joining: {first}") from None
         _log.info("node %s joined rendezvous generation %d of run %r (lease %.3g s)",
                   self.identity.name, self.rdzv.gen, self.spec.run_id, self.spec.lease_s)
         super()._setup()
@@ -149,6 +158,24 @@ class MultiNodeLauncher(Launcher):
         return ""
 
     def _loop(self) -> int:
+        """Rounds until the job ends; a store error in the main thread is retried until the
+        lease keeper either renews again (a blip) or fences this node (store lost)."""
+        rdzv = self.rdzv
+        assert rdzv is not None and rdzv.keeper is not None
+        while True:
+            try:
+                return self._rounds()
+            except (StoreCallTimeout, RuntimeError, OSError) as exc:
+                first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                _log.warning("rendezvous store call failed (%s); retrying while the lease "
+                             "holds", first)
+                deadline = Deadline(self.spec.lease_s + 1.0)
+                while not rdzv.keeper.fenced and not deadline.expired():
+                    time.sleep(0.05)
+                if rdzv.keeper.fenced:
+                    return self._fenced()
+
+    def _rounds(self) -> int:
         rdzv = self.rdzv
         assert rdzv is not None
         while True:
@@ -223,8 +250,7 @@ class MultiNodeLauncher(Launcher):
                    master=f"{self.master[0]}:{self.master[1]}")
         res = self._run_cycle(rnd.n)
         self.results.append(res)
-        rdzv.keeper.watch_round(rnd.n, None)
-        return self._after(res, rnd)
+        return self._after(res, rnd)  # members stay watched: one may die before the job is done
 
     def _after(self, res: _cycle.CycleResult, rnd: Round) -> int | None:
         rdzv = self.rdzv

@@ -568,7 +568,9 @@ class Rendezvous:
                 return self._closed(n, json.loads(closed), slots, my_slot)
             valid = self._valid(slots)
             live = self.keeper.live_claimants()
-            everyone = set(live) <= {slots[k]["name"] for k in valid}
+            # restart rounds close once every live launcher is in; the first round waits the
+            # last call for launchers still starting (torchrun semantics)
+            everyone = n > 0 and set(live) <= {slots[k]["name"] for k in valid}
             if len(valid) >= spec.nnodes_min and min_at is None:
                 min_at = time.monotonic()
             close = len(valid) >= spec.nnodes_max or (len(valid) >= spec.nnodes_min and (

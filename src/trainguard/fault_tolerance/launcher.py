@@ -1,5 +1,5 @@
 """``trainguard launch`` / ``python -m trainguard.fault_tolerance.launcher``: a torchrun drop-in
-for one node with hang detection and fast in-job restart.
+with hang detection and fast in-job restart, on one node or several (``--nnodes MIN:MAX``).
 
 Exit codes (for schedulers):
 
@@ -12,6 +12,10 @@ Exit codes (for schedulers):
   ``--ft-max-no-progress-cycles`` cycles, an attribution STOP verdict with
   ``--ft-attribution-stop-action no-restart``, a rank that never connected to its monitor
   although client timeouts are configured, or a workload-control shutdown request;
+* ``75``  several nodes: store lost: this node could not renew its lease on the rendezvous
+  store for ``--ft-lease-s`` and stopped its workers (self-fence; requeue ok). With several
+  nodes, ``1`` also means too few nodes within the join timeout or this node was excluded, and
+  ``2`` a duplicate node identity or ``--nnodes`` different from the job's (see ``_multinode``);
 * ``128+N`` the launcher was stopped by signal N (forwarded to every worker, with
   ``--ft-term-timeout`` seconds of grace per rank before SIGKILL).
 
