@@ -1,6 +1,7 @@
 """The simulated-node harness itself: real namespaces, real packets, real cleanup.
 
-Skipped where network namespaces are unavailable (not root, no ``ip``).
+Namespace tests are skipped where network namespaces are unavailable (not root, no ``ip``); the
+localhost fallback (:class:`LocalNodes`, the ``sim_nodes`` fixture) is tested everywhere.
 """
 
 from __future__ import annotations
@@ -13,18 +14,25 @@ import time
 
 import pytest
 
-from trainguard.testing import SimNodes, harness_netns, netns_unavailable, sweep_leftovers
+from trainguard.testing import (
+    LocalNodes,
+    SimNodes,
+    free_port,
+    harness_netns,
+    netns_unavailable,
+    sweep_leftovers,
+)
 from trainguard.testing.netns import ConfigError, list_netns
 
-pytestmark = pytest.mark.skipif(netns_unavailable() is not None,
-                                reason=f"simulated nodes: {netns_unavailable()}")
+needs_netns = pytest.mark.skipif(netns_unavailable() is not None,
+                                 reason=f"simulated nodes: {netns_unavailable()}")
 
 PORT = 7077
 # A TCP server that answers each connection with what it read (until EOF), uppercased.
-SERVER = textwrap.dedent(f"""
-    import socket
+SERVER = textwrap.dedent("""
+    import socket, sys
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", {PORT})); s.listen(8); print("ready", flush=True)
+    s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(8); print("ready", flush=True)
     while True:
         c, _ = s.accept(); data = b""
         while True:
@@ -34,12 +42,13 @@ SERVER = textwrap.dedent(f"""
             data += chunk
         c.sendall(data.upper()[:16]); c.close()
 """)
-# Connect, send argv[2] bytes, read the answer: prints OK/the error name, and the seconds taken.
-CLIENT = textwrap.dedent(f"""
+# Connect, send argv[2] bytes, read the answer: prints the answer or the error name, and the
+# seconds taken.
+CLIENT = textwrap.dedent("""
     import socket, sys, time
     t = time.monotonic()
     try:
-        c = socket.create_connection((sys.argv[1], {PORT}), timeout=float(sys.argv[3]))
+        c = socket.create_connection((sys.argv[1], int(sys.argv[4])), timeout=float(sys.argv[3]))
         c.sendall(b"x" * int(sys.argv[2])); c.shutdown(socket.SHUT_WR)
         print(c.recv(16).decode(), round(time.monotonic() - t, 3))
     except OSError as e:
@@ -47,16 +56,18 @@ CLIENT = textwrap.dedent(f"""
 """)
 
 
-def _serve(cluster: SimNodes, i: int) -> subprocess.Popen:
-    proc = cluster[i].popen([sys.executable, "-u", "-c", SERVER], log=subprocess.PIPE)
+def _serve(cluster: SimNodes | LocalNodes, i: int, port: int = PORT) -> subprocess.Popen:
+    proc = cluster[i].popen([sys.executable, "-u", "-c", SERVER, cluster[i].addr, str(port)],
+                            log=subprocess.PIPE)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == b"ready"
     return proc
 
 
-def _talk(cluster: SimNodes, src: int, dst: int, size: int = 4, timeout_s: float = 1.5) -> str:
+def _talk(cluster: SimNodes | LocalNodes, src: int, dst: int, size: int = 4,
+          timeout_s: float = 1.5, port: int = PORT) -> str:
     res = cluster[src].run([sys.executable, "-c", CLIENT, cluster[dst].addr, str(size),
-                            str(timeout_s)], timeout_s=30)
+                            str(timeout_s), str(port)], timeout_s=30)
     return res.stdout.strip() or res.stderr.strip()
 
 
@@ -68,6 +79,7 @@ def trio():
         yield cluster
 
 
+@needs_netns
 def test_nodes_have_their_own_addresses_and_reach_each_other(trio):
     assert [n.addr for n in trio.nodes] == ["10.231.0.1", "10.231.0.2", "10.231.0.3"]
     assert len({n.netns for n in trio.nodes}) == 3
@@ -78,11 +90,13 @@ def test_nodes_have_their_own_addresses_and_reach_each_other(trio):
     assert _talk(trio, 2, 1).startswith("XXXX")
 
 
+@needs_netns
 def test_node_cannot_reach_the_host_network(trio):
     routes = trio[0].run(["ip", "route"]).stdout
     assert "default" not in routes, routes  # only the cluster's /24: nothing leaves it
 
 
+@needs_netns
 def test_link_down_blocks_traffic_and_link_up_restores_it(trio):
     trio.link_down(1)
     try:
@@ -102,6 +116,7 @@ def _wait_talk(cluster: SimNodes, src: int, dst: int, within_s: float = 10.0) ->
     return False
 
 
+@needs_netns
 def test_flap_in_background_brings_the_link_back(trio):
     thread = trio.flap(2, 1.0, wait=False)
     assert thread is not None and thread.name.startswith("tg-netns-flap-")
@@ -111,6 +126,7 @@ def test_flap_in_background_brings_the_link_back(trio):
     assert _wait_talk(trio, 0, 2)
 
 
+@needs_netns
 def test_blackhole_partition_is_one_way(trio):
     udp = textwrap.dedent("""
         import socket, sys
@@ -133,6 +149,7 @@ def test_blackhole_partition_is_one_way(trio):
     assert _talk(trio, 0, 1).startswith("XXXX")
 
 
+@needs_netns
 def test_slow_link_rate_limits_and_unslow_removes_it(trio):
     trio.slow(2, rate_kbit=256)
     try:
@@ -153,6 +170,7 @@ def test_bad_arguments_are_refused():
         SimNodes(2, subnet="10.1")
 
 
+@needs_netns
 def test_close_removes_namespaces_links_and_processes():
     links_before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True,
                                  check=False).stdout
@@ -169,6 +187,7 @@ def test_close_removes_namespaces_links_and_processes():
     assert len(links_after.splitlines()) == len(links_before.splitlines()), "no veth/bridge left"
 
 
+@needs_netns
 def test_sweeper_removes_a_crashed_runs_namespaces_only():
     crash = textwrap.dedent("""
         import os
@@ -186,3 +205,26 @@ def test_sweeper_removes_a_crashed_runs_namespaces_only():
         assert set(left) <= set(swept)
         assert not set(left) & set(list_netns())
         assert set(live.namespaces()) <= set(list_netns()), "a live cluster is never swept"
+
+
+def _serve_and_talk(cluster: SimNodes | LocalNodes) -> str:
+    port = free_port()  # on 127.0.0.1 the port is shared with everything else on the machine
+    _serve(cluster, 1, port)
+    return _talk(cluster, 0, 1, port=port)
+
+
+def test_sim_nodes_fixture_gives_working_nodes_here(sim_nodes):
+    cluster = sim_nodes(2)
+    assert len(cluster) == 2
+    assert _serve_and_talk(cluster).startswith("XXXX")
+    assert cluster.network_faults is (netns_unavailable() is None)
+
+
+def test_localhost_fallback_runs_nodes_and_stops_their_processes():
+    with LocalNodes(2) as cluster:
+        assert {n.addr for n in cluster.nodes} == {"127.0.0.1"}
+        assert not cluster.network_faults and not hasattr(cluster, "link_down")
+        port = free_port()
+        server = _serve(cluster, 1, port)
+        assert _talk(cluster, 0, 1, port=port).startswith("XXXX")
+    assert server.poll() is not None, "close() stopped the node's process"
