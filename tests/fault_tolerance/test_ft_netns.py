@@ -236,7 +236,7 @@ def test_non_store_node_link_down_fences_it_and_the_rest_finish(job, cluster):
     assert codes[3] == EXIT_STORE_LOST, job.logs()
     job.wait_training(cycle=1)  # the spare took the lost node's place: 3 nodes again
     job.release()
-    rest = job.wait_exit({i: job.launchers[i] for i in (1, 2, 4)}, 120)
+    rest = job.wait_exit({i: job.launchers[i] for i in (1, 2, 4)}, 60)
     assert set(rest.values()) == {0}, (rest, job.logs())
     job.assert_right_result()
 
@@ -250,7 +250,7 @@ def test_one_way_partition_has_no_split_brain(job, cluster):
     assert codes[2] == EXIT_STORE_LOST, job.logs()
     job.wait_training(cycle=1, world=2 * NPROC)
     job.release()
-    rest = job.wait_exit({1: job.launchers[1], 3: job.launchers[3]}, 120)
+    rest = job.wait_exit({1: job.launchers[1], 3: job.launchers[3]}, 60)
     assert set(rest.values()) == {0}, (rest, job.logs())
     job.assert_right_result(world=2 * NPROC)
     groups = {r["group"] for r in job.final_results()}
@@ -262,7 +262,7 @@ def test_flapping_link_restarts_at_most_once(job, cluster):
     job.start_all(spare=False)
     cluster.flap(3, 2.0)
     job.release()
-    codes = job.wait_exit(job.launchers, 120)
+    codes = job.wait_exit(job.launchers, 60)
     assert set(codes.values()) == {0}, (codes, job.logs())
     job.assert_right_result(max_cycle=1)
 
@@ -272,7 +272,7 @@ def test_slow_link_is_not_a_failure(job, cluster):
     cluster.slow(2, rate_kbit=2000)
     time.sleep(LEASE_S * 2)  # longer than a lease: a false lapse would show up here
     job.release()
-    codes = job.wait_exit(job.launchers, 120)
+    codes = job.wait_exit(job.launchers, 60)
     assert set(codes.values()) == {0}, (codes, job.logs())
     job.assert_right_result(max_cycle=0)
 
@@ -285,7 +285,7 @@ def test_launcher_sigkilled_and_replaced_under_the_same_node_rank(job):
     again = job.start(2, tag="b")  # same node, same --node-rank 1
     job.wait_training(cycle=1)
     job.release()
-    codes = job.wait_exit({1: job.launchers[1], 2: again, 3: job.launchers[3]}, 120)
+    codes = job.wait_exit({1: job.launchers[1], 2: again, 3: job.launchers[3]}, 60)
     assert set(codes.values()) == {0}, (codes, job.logs())
     job.assert_right_result()
     left = subprocess.run(["ip", "netns", "pids", job.c[2].netns], capture_output=True,
@@ -298,7 +298,7 @@ def test_rank0_node_lost_a_new_rank0_is_chosen(job):
     _kill_node(job.launchers[1])  # node rank 0: group rank 0, publishes MASTER_ADDR
     job.wait_training(cycle=1)
     job.release()
-    codes = job.wait_exit({i: job.launchers[i] for i in (2, 3, 4)}, 120)
+    codes = job.wait_exit({i: job.launchers[i] for i in (2, 3, 4)}, 60)
     assert set(codes.values()) == {0}, (codes, job.logs())
     job.assert_right_result()
     rank0 = {r["node"] for r in job.final_results() if r["group"] == 0}
@@ -312,7 +312,7 @@ def test_excluded_node_is_replaced_by_the_spare(job):
     assert codes[2] != 0, "the excluded node leaves with a failure code"
     job.wait_training(cycle=1)
     job.release()
-    rest = job.wait_exit({i: job.launchers[i] for i in (1, 3, 4)}, 120)
+    rest = job.wait_exit({i: job.launchers[i] for i in (1, 3, 4)}, 60)
     assert set(rest.values()) == {0}, (rest, job.logs())
     job.assert_right_result()
 
@@ -331,6 +331,6 @@ def test_two_launchers_with_one_identity_second_is_refused(job):
     assert rc == 2, job.logs()
     assert "node1" in (job.dir / "launcher4dup.log").read_text()
     job.release()
-    codes = job.wait_exit(job.launchers, 120)
+    codes = job.wait_exit(job.launchers, 60)
     assert set(codes.values()) == {0}, (codes, job.logs())
     job.assert_right_result(max_cycle=0)
