@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from trainguard._core.net import free_port
+from trainguard.fault_tolerance._args import parse_launch_args
+from trainguard.fault_tolerance.errors import LaunchConfigError
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "mn_worker.py")
@@ -87,7 +89,7 @@ class Cluster:
                 p.send_signal(signal.SIGTERM)
         for p in [n.proc for n in self.nodes] + self.extra:
             try:
-                p.wait(15)
+                p.wait(45)  # a launcher still preloading torch finishes that first
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
@@ -189,14 +191,22 @@ def test_tcp_store_lost_every_node_exits_store_lost_within_lease(cluster):
         assert fenced - killed < 1.5 + 2.0, fenced - killed  # workers stopped within lease+2
 
 
-def test_duplicate_identity_is_refused(cluster):
-    ep = f"127.0.0.1:{free_port()}"
-    first = cluster.launch(0, endpoint=ep, conf="is_host=1,join_timeout=30")
+def test_duplicate_identity_is_refused_and_a_dead_ones_replacement_accepted(cluster):
+    _, port = cluster.store()
+    ep = f"127.0.0.1:{port}"
+    first = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
+    peer = cluster.launch(1, nnodes="3", endpoint=ep, conf="join_timeout=60")
     cluster.wait_for(first, "joined rendezvous generation")
-    second = cluster.launch(0, endpoint=ep, conf="is_host=0,join_timeout=30")
-    assert second.wait(20) == 2
+    second = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
+    assert second.wait(30) == 2
     assert "already owned by a live launcher" in second.text
     assert first.proc.poll() is None
+    first.proc.kill()  # a restarted pod / requeued task comes back under the same identity
+    first.proc.wait(10)
+    cluster.wait_for(peer, "joined rendezvous generation 0")
+    third = cluster.launch(0, nnodes="3", endpoint=ep, conf="join_timeout=60")
+    cluster.wait_for(third, "the previous launcher .* is gone; this launcher replaces it")
+    cluster.wait_for(third, "joined rendezvous generation 0")
 
 
 def test_mismatched_nnodes_and_too_few_nodes(cluster):
@@ -248,13 +258,21 @@ def test_stale_file_store_of_an_earlier_job_gets_a_new_generation(cluster):
 @pytest.mark.parametrize("args,needle", [
     (["--nnodes", "2"], "needs --rdzv-endpoint"),
     (["--nnodes", "3:2", "--rdzv-endpoint", "h:1"], "MIN <= MAX"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--ft-lease-s", "1",
+      "--ft-lease-interval-s", "2"], "must be > 0 and below"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "trainguard/c10d"),
+])
+def test_bad_multinode_flags(args, needle):
+    with pytest.raises(LaunchConfigError, match=needle):
+        parse_launch_args([*args, WORKER])
+
+
+@pytest.mark.parametrize("args,needle", [
     (["--nnodes", "2", "--rdzv-endpoint", "/proc/nope/x.store", "--rdzv-conf",
       "store_type=file"], "file store is not writable"),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:PORT", "--rdzv-conf",
       "is_host=0,connect_timeout=2"], "unreachable"),
     (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:5"], "cannot resolve"),
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--ft-lease-s", "1",
-      "--ft-lease-interval-s", "2"], "must be > 0 and below"),
 ])
 def test_bad_multinode_input_is_one_line_and_bounded(tmp_path, args, needle):
     args = [a.replace("PORT", str(free_port())) for a in args]
