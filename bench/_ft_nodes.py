@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -38,9 +39,15 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainguard.testing import LocalNodes, SimNodes, netns_unavailable
+from trainguard.testing import (
+    LocalNodes,
+    SimNodes,
+    netns_unavailable,
+    trainguard_shm_segments,
+)
 
 RDZV_PORT = 29411
+_SHM_OWNER = re.compile(r"tg_[a-z]+?([0-9a-f]+)_")  # segment names carry the owner's pid
 EXIT_STORE_LOST = 75  # trainguard launch: this node lost its lease and fenced itself
 NODE_WORKLOAD = r'''
 import time; T0 = time.time()
@@ -76,7 +83,7 @@ while not os.path.exists(stop) and step < 20000:
         stamp("exclude")
         client.send_workload_control_request(
             WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "bench: spare promotion"))
-        time.sleep(5); sys.exit(3)
+        time.sleep(0.5); sys.exit(3)
     opt.zero_grad(); model(x).sum().backward(); opt.step()
     if step == 0:
         stamp("first_step", world=world)
@@ -153,6 +160,7 @@ class Run:
         (self.dir / "work.py").write_text(NODE_WORKLOAD)
         self.agents: dict[int, subprocess.Popen] = {}
         self.store: subprocess.Popen | None = None
+        self.shm_before = trainguard_shm_segments()
 
     def __enter__(self) -> Run:  # noqa: PYI034
         return self
@@ -161,6 +169,11 @@ class Run:
         (self.dir / "stop").touch()
         self.cluster.close()
         self._tmp.cleanup()
+        for name in trainguard_shm_segments() - self.shm_before:  # of launchers we killed
+            m = _SHM_OWNER.match(name)
+            if m and not psutil.pid_exists(int(m.group(1), 16)):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
 
     def store_addr(self) -> str:
         return self.cluster[0 if self.standalone else 1].addr
