@@ -51,3 +51,25 @@ def test_errors_of_the_call_reach_the_caller(server):
         ds.close()
     with pytest.raises(RuntimeError, match="closed"):
         ds.call(lambda s: s.add("n", 1))
+
+
+def test_a_store_error_drops_the_connection(server):
+    made: list[int] = []
+
+    def factory() -> dist.Store:
+        made.append(1)
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False)
+
+    ds = DeadlineStore(factory, 5.0)
+    try:
+        ds.call(lambda s: s.set("a", "1"))
+
+        def broken(s: dist.Store) -> None:
+            raise RuntimeError("Broken pipe")
+
+        with pytest.raises(RuntimeError, match="Broken pipe"):
+            ds.call(broken)
+        assert ds.call(lambda s: s.get("a")) == b"1"
+        assert len(made) == 2
+    finally:
+        ds.close()

@@ -189,7 +189,9 @@ class DeadlineStore:
     > 85 s with a 6 s store timeout after the host's link went down), so each call runs on a
     worker thread and the caller waits at most ``deadline_s`` seconds. A call that overruns
     abandons its worker thread and connection (a daemon thread, left to finish or fail on its
-    own); the next call builds a new connection from ``factory`` on a new thread. Calls from
+    own); the next call builds a new connection from ``factory`` on a new thread (so does the
+    call after one that raised a ``RuntimeError``/``OSError``: a store that comes back, or a
+    link that flapped, is reached again). Calls from
     several threads are serialised on one connection: give a thread that must never wait behind
     another (a lease renewer) its own ``DeadlineStore``.
 
@@ -220,6 +222,8 @@ class DeadlineStore:
                     store = self._factory()
                 box.append((True, fn(store)))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                if isinstance(exc, (RuntimeError, OSError)):
+                    store = None  # c10d errors (a broken pipe...): reconnect on the next call
                 box.append((False, exc))
             done.set()
 
