@@ -287,7 +287,9 @@ def spare_once(n: int, nproc: int, lease_s: float, timeout_s: float) -> dict:
         if not run.start_all(timeout_s / 2):
             return {"error": "not all ranks trained", "log": run.tail()}
         run.start(n + 1)  # parks as a hot spare: the round is full
-        time.sleep(lease_s)  # let it register before the fault
+        spare_log = run.dir / f"agent_{n + 1}.log"
+        if not _wait_for(lambda: b"hot spare" in spare_log.read_bytes(), timeout_s / 2):
+            return {"error": "the spare never parked", "log": run.tail()}
         victim = run.victim()
         (run.dir / f"exclude_{victim}").touch()
         if not _wait_for(lambda: any(s["ev"] == "exclude" for s in stamps(run.dir)), 30):
