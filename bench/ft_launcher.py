@@ -3,6 +3,7 @@
 Usage::
 
     python bench/ft_launcher.py [--ranks 2 4] [--faults 3] [--nvrx-python PY] [--skip-torchrun]
+    python bench/ft_launcher.py --nodes 3 --nodes-only [--faults 5]   # multi-node figures only
 
 Workload: a small DDP model over gloo on CPU that imports torch, builds its process group (on a
 per-attempt store prefix, which torchrun's restarts need) and DDP model at every (re)start and
@@ -25,6 +26,16 @@ every figure is a median over the faults, measured by the workload itself:
   ``empty_method_call_us`` is an empty Python method call in the same process, interleaved with
   them, to read the figures against the machine's load; ``*_cpu_us*`` are the same from the
   thread's CPU time, which leaves out time the worker was preempted by other processes.
+
+With ``--nodes N`` (see ``bench/_ft_nodes.py``), N simulated nodes (network namespaces on a
+bridge; root needed, else N launchers on localhost) each run one launcher with
+``--nproc-per-node`` 2; one node is lost (launcher and workers SIGKILLed) per run, ``--faults``
+runs, min/median/max reported:
+
+* ``torchrun_node_loss_to_restart_s``: torchrun c10d, ``--nnodes N-1:N``: kill -> every
+  survivor completed its first step of the next generation;
+* ``lease_s``, ``node_loss_to_restart_s``, ``store_loss_to_exit_s``, ``partition_to_fence_s``,
+  ``spare_promotion_s``: trainguard's multi-node launcher (null until it supports them).
 
 Headline keys are for the smallest ``--ranks``; ``by_ranks`` holds every configuration. Prints
 tables, then exactly one JSON line. Every run is bounded (``--timeout``) and its whole process
@@ -238,15 +249,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launcher run")
     p.add_argument("--micro-only", action="store_true",
                    help="only the heartbeat / section-mark cost (no launcher restarts)")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="simulated nodes for the multi-node figures (0: skip them; >= 3)")
+    p.add_argument("--lease", type=float, default=2.0,
+                   help="trainguard's --ft-lease-s in the multi-node runs, seconds")
+    p.add_argument("--nodes-only", action="store_true",
+                   help="skip the single-node figures (their keys are reported as null)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.nodes and args.nodes < 3:
+        print("ft_launcher: --nodes must be >= 3 (one node is lost, and neither the store host "
+              "nor rank 0's node is chosen)", file=sys.stderr)
+        return 2
     load_start = round(os.getloadavg()[0], 2)
     by_ranks: dict[str, dict] = {}
-    failed = []
-    for ranks in [] if args.micro_only else args.ranks:
+    failed: list[str] = []
+    for ranks in [] if (args.micro_only or args.nodes_only) else args.ranks:
         row: dict[str, object] = {}
         kinds = ["ours"] + ([] if args.skip_torchrun else ["torchrun"]) + \
             (["nvrx"] if args.nvrx_python else [])
@@ -267,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         ours, torchrun = row.get("crash_to_first_step_s"), row.get("torchrun_crash_to_first_step_s")
         row["ratio_vs_torchrun"] = round(torchrun / ours, 2) if ours and torchrun else None
         by_ranks[str(ranks)] = row
-    micro = run_micro(args)
-    _print_tables(by_ranks, micro)
+    micro = {} if args.nodes_only else run_micro(args)
+    nodes = run_nodes(args, failed) if args.nodes else {}
+    _print_tables(by_ranks, micro, nodes)
     head = by_ranks.get(str(min(args.ranks)), {})
     result = {
         "bench": "ft_launcher", "ranks": args.ranks, "faults": args.faults,
@@ -278,24 +300,62 @@ def main(argv: list[str] | None = None) -> int:
         "torchrun_crash_to_first_step_s": head.get("torchrun_crash_to_first_step_s"),
         "nvrx_crash_to_first_step_s": head.get("nvrx_crash_to_first_step_s"),
         "ratio_vs_torchrun": head.get("ratio_vs_torchrun"),
-        "heartbeat_us_median": round(micro.get("heartbeat_us", -1), 3),
-        "section_us_median": round(micro.get("section_us", -1), 3),
-        "empty_method_call_us": round(micro.get("empty_call_us", -1), 3),
-        "heartbeat_cpu_us_median": round(micro.get("heartbeat_cpu_us", -1), 3),
-        "section_cpu_us_median": round(micro.get("section_cpu_us", -1), 3),
-        "empty_method_call_cpu_us": round(micro.get("empty_call_cpu_us", -1), 3),
-        "heartbeat_us_min_max": [round(micro.get("heartbeat_us_min", -1), 3),
-                                 round(micro.get("heartbeat_us_max", -1), 3)],
-        "section_us_min_max": [round(micro.get("section_us_min", -1), 3),
-                               round(micro.get("section_us_max", -1), 3)],
-        "hb_timeout_s": args.hb_timeout, "by_ranks": by_ranks, "failed_runs": failed,
+        "heartbeat_us_median": _round(micro.get("heartbeat_us")),
+        "section_us_median": _round(micro.get("section_us")),
+        "empty_method_call_us": _round(micro.get("empty_call_us")),
+        "heartbeat_cpu_us_median": _round(micro.get("heartbeat_cpu_us")),
+        "section_cpu_us_median": _round(micro.get("section_cpu_us")),
+        "empty_method_call_cpu_us": _round(micro.get("empty_call_cpu_us")),
+        "heartbeat_us_min_max": [_round(micro.get("heartbeat_us_min")),
+                                 _round(micro.get("heartbeat_us_max"))],
+        "section_us_min_max": [_round(micro.get("section_us_min")),
+                               _round(micro.get("section_us_max"))],
+        "hb_timeout_s": args.hb_timeout, "by_ranks": by_ranks,
+        "nodes": args.nodes or None, **{k: nodes.get(k) for k in NODE_KEYS},
+        "by_nodes": nodes.get("by_key"), "failed_runs": failed,
         "load_avg_1m": [load_start, round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(result))
     return 1 if failed else 0
 
 
-def _print_tables(by_ranks: dict[str, dict], micro: dict) -> None:
+NODE_KEYS = ("lease_s", "node_loss_to_restart_s", "store_loss_to_exit_s", "partition_to_fence_s",
+             "spare_promotion_s", "torchrun_node_loss_to_restart_s")
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def run_nodes(args: argparse.Namespace, failed: list[str]) -> dict:
+    """Multi-node figures (medians as the headline keys, min/median/max in ``by_key``)."""
+    from _ft_nodes import SCENARIOS, run_scenario
+
+    keys = [] if args.skip_torchrun else ["torchrun_node_loss_to_restart_s"]
+    if _launcher_has_leases():
+        keys += [k for k in SCENARIOS if not k.startswith("torchrun")]
+    else:
+        failed.append("trainguard launch has no --ft-lease-s (multi-node launcher missing)")
+    by_key: dict[str, dict] = {}
+    for key in keys:
+        res = run_scenario(key, args.nodes, 2, args.lease, args.faults, args.timeout)
+        by_key[key] = res
+        failed += [f"{key} nodes={args.nodes}: {e}" for e in res["errors"]]
+    out: dict[str, object] = {k: v["median"] for k, v in by_key.items()}
+    out["lease_s"] = args.lease if len(keys) > 1 else None
+    out["by_key"] = {k: {m: v[m] for m in ("min", "median", "max", "values")}
+                     for k, v in by_key.items()}
+    return out
+
+
+def _launcher_has_leases() -> bool:
+    out = subprocess.run([sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--help"],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    return "--ft-lease-s" in out.stdout
+
+
+def _print_tables(by_ranks: dict[str, dict], micro: dict, nodes: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -312,11 +372,21 @@ def _print_tables(by_ranks: dict[str, dict], micro: dict) -> None:
         table.add_row(ranks, *["-" if v is None else str(v) for v in vals])
     console = Console(stderr=True)
     console.print(table)
-    for k in ("heartbeat", "section", "empty_call"):
-        console.print(f"{k}: median {micro.get(f'{k}_us', -1):.3f} us/call wall (min "
-                      f"{micro.get(f'{k}_us_min', -1):.3f}, max {micro.get(f'{k}_us_max', -1):.3f}"
-                      f"), {micro.get(f'{k}_cpu_us', -1):.3f} us CPU time; 30 interleaved "
-                      "batches of 5000 calls")
+    if nodes.get("by_key"):
+        ntable = Table(title="multi-node (seconds: min / median / max)")
+        for c in ("figure", "min", "median", "max", "runs"):
+            ntable.add_column(c)
+        for key, row in nodes["by_key"].items():
+            ntable.add_row(key, *[str(row[m]) for m in ("min", "median", "max")],
+                           str(len(row["values"])))
+        console.print(ntable)
+    if micro:
+        for k in ("heartbeat", "section", "empty_call"):
+            console.print(f"{k}: median {micro.get(f'{k}_us', -1):.3f} us/call wall (min "
+                          f"{micro.get(f'{k}_us_min', -1):.3f}, max "
+                          f"{micro.get(f'{k}_us_max', -1):.3f}), "
+                          f"{micro.get(f'{k}_cpu_us', -1):.3f} us CPU time; 30 interleaved "
+                          "batches of 5000 calls")
 
 
 if __name__ == "__main__":

@@ -23,3 +23,10 @@ def test_ft_launcher_bench_reports_its_keys():
     assert 0 < result["crash_to_spawn_s"] <= result["crash_to_first_step_s"] < 120
     assert 0 < result["heartbeat_us_median"] < 100 and 0 < result["section_us_median"] < 100
     assert result["torchrun_crash_to_first_step_s"] is None  # skipped, not invented
+
+
+def test_ft_launcher_bench_refuses_too_few_nodes():
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "ft_launcher.py"), "--nodes", "2",
+                        "--nodes-only"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--nodes must be >= 3" in r.stderr and "Traceback" not in r.stderr

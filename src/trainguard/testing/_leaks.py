@@ -1,4 +1,5 @@
-"""Leak checks for tests: child processes and shared-memory segments left behind."""
+"""Leak checks for tests: child processes, shared-memory segments and simulated-node network
+namespaces (:mod:`trainguard.testing.netns`) left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 
 import psutil
 
-__all__ = ["LeakChecker", "live_children", "trainguard_shm_segments"]
+from trainguard.testing.netns import NETNS_PATTERN, _delete_namespaces, list_netns, lock_owner
+
+__all__ = ["LeakChecker", "harness_netns", "live_children", "trainguard_shm_segments"]
 
 # Helpers that multiprocessing keeps for the interpreter's lifetime are not leaks.
 _IGNORED_CMDLINE = ("resource_tracker", "forkserver", "semaphore_tracker")
@@ -40,6 +43,24 @@ def trainguard_shm_segments() -> set[str]:
         return set()
 
 
+def harness_netns() -> set[str]:
+    """Names of the network namespaces made by :class:`trainguard.testing.netns.SimNodes`."""
+    return {n for n in list_netns() if NETNS_PATTERN.match(n)}
+
+
+def _leaked_netns(before: set[str], ours: set[int]) -> list[str]:
+    """New harness namespaces owned by this process tree or by nobody alive (a concurrent test
+    session's live clusters are not ours to report)."""
+    out = []
+    for name in sorted(harness_netns() - before):
+        m = NETNS_PATTERN.match(name)
+        run = m.group(1) if m else ""
+        owner = lock_owner(run)
+        if owner is None or owner in ours or not psutil.pid_exists(owner):
+            out.append(name)
+    return out
+
+
 _OWNER = re.compile(r"tg_[a-z]+?([0-9a-f]+)_")
 
 
@@ -67,6 +88,7 @@ class LeakChecker:
         self.grace_s = grace_s
         self.shm_before = trainguard_shm_segments()
         self.children_before = {p.pid for p in live_children()}
+        self.netns_before = harness_netns()
 
     def check(self) -> list[str]:
         problems: list[str] = []
@@ -93,4 +115,9 @@ class LeakChecker:
                 os.unlink(os.path.join(SHM_DIR, name))
             except OSError:
                 pass
+        leaked_ns = _leaked_netns(self.netns_before, ours)
+        for name in leaked_ns:
+            problems.append(f"leaked network namespace {name} (a SimNodes left open)")
+        if leaked_ns:
+            _delete_namespaces(leaked_ns)
         return problems
