@@ -200,6 +200,11 @@ def _kill_node(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     proc.wait(timeout=10)
+    # a dead machine's /dev/shm dies with it; here it is shared, and the launcher's own orphan
+    # sweeper (which removes the slots after a launcher SIGKILL) was killed with the machine
+    from trainguard._core.shm import sweep_prefix
+
+    sweep_prefix(f"tg_ft{proc.pid:x}_")
 
 
 def _fence_bound() -> float:
