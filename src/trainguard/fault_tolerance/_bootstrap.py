@@ -59,10 +59,9 @@ class _AutoHeartbeat:
     def __init__(self, words: memoryview, index: int, interval_s: float) -> None:
         self.words, self.index, self.interval_s = words, index, interval_s
         self.pending = False
-        self._cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(self._stamp)
-        self._add = ctypes.pythonapi.Py_AddPendingCall
-        self._add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._add.restype = ctypes.c_int
+        from trainguard._core.pending import PendingCallback
+
+        self._cb = PendingCallback(self._stamp)  # kept alive: a queued call may run late
         words[index] = time.monotonic_ns()
         threading.Thread(target=self._run, name="tg-ft-auto-heartbeat", daemon=True).start()
 
@@ -72,11 +71,13 @@ class _AutoHeartbeat:
         return 0
 
     def _run(self) -> None:
+        from trainguard._core.pending import add_pending_call as _add_pending_call
+
         while True:
             time.sleep(self.interval_s)
             if not self.pending:
                 self.pending = True
-                if self._add(ctypes.cast(self._cb, ctypes.c_void_p), None) != 0:
+                if not _add_pending_call(self._cb):
                     self.pending = False  # queue full: try again next tick
 
 

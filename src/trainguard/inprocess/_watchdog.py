@@ -19,12 +19,12 @@ pending call, collective-wait classification.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import sys
 import threading
 import time
 
+from trainguard._core.pending import PendingCallback, add_pending_call
 from trainguard._core.shm import fork_shared
 
 __all__ = ["Phase", "ProgressBlock", "ProgressWatchdog"]
@@ -99,7 +99,6 @@ class ProgressBlock:
 
 # One callback object for the interpreter's lifetime: a queued pending call may run after the
 # watchdog that queued it has stopped, so the function pointer must never be freed.
-_PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _target: ProgressBlock | None = None
 
 
@@ -111,10 +110,7 @@ def _stamp(_arg: int | None) -> int:
     return 0
 
 
-_STAMP_CALLBACK = _PENDING(_stamp)
-_add_pending = ctypes.pythonapi.Py_AddPendingCall
-_add_pending.argtypes = [_PENDING, ctypes.c_void_p]
-_add_pending.restype = ctypes.c_int
+_STAMP_CALLBACK = PendingCallback(_stamp)
 
 _COLLECTIVE_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 
@@ -156,7 +152,7 @@ class ProgressWatchdog:
             done = self.block.get("done_ticks")
             if done != last_done:  # previous callback ran: queue the next one
                 last_done = done
-                _add_pending(_STAMP_CALLBACK, None)
+                add_pending_call(_STAMP_CALLBACK)
             frame = sys._current_frames().get(self._main_ident)
             self.block.set("in_collective", 1.0 if _in_collective(frame) else 0.0)
             self.block.set("sampled_at", time.monotonic())

@@ -14,7 +14,6 @@ Follows: NVRx ``inprocess.progress_watchdog`` (constructor, ``start``,
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import threading
 import time
@@ -22,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard._core.clock import as_seconds
+from trainguard._core.pending import PendingCallback, add_pending_call
 from trainguard.errors import ConfigError
 
 __all__ = ["ProgressWatchdog", "Timestamp"]
@@ -36,7 +36,6 @@ class Timestamp:
     manual: float | None = None
 
 
-_PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _active: set[ProgressWatchdog] = set()
 _lock = threading.Lock()
 
@@ -51,10 +50,7 @@ def _stamp(_arg: int | None) -> int:
 
 
 # Never freed: a queued pending call may run after every watchdog stopped.
-_CALLBACK = _PENDING(_stamp)
-_add_pending = ctypes.pythonapi.Py_AddPendingCall
-_add_pending.argtypes = [_PENDING, ctypes.c_void_p]
-_add_pending.restype = ctypes.c_int
+_CALLBACK = PendingCallback(_stamp)
 
 
 class ProgressWatchdog:
@@ -113,7 +109,7 @@ class ProgressWatchdog:
             self._send()
             if not self._outstanding:
                 self._outstanding = True
-                _add_pending(_CALLBACK, None)
+                add_pending_call(_CALLBACK)
 
     def pause_and_synchronize(self) -> None:
         """Stop reporting until :meth:`resume`; returns once no report is in flight.
