@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -119,6 +121,15 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A probe that gave up (timeout, closed connection) is the prober's business: no
+        traceback on the launcher's stderr; anything else is one warning line."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            return
+        logging.getLogger("trainguard.fault_tolerance").warning(
+            "health endpoint: request from %s failed: %r", client_address, exc)
 
     def __init__(self, addr: tuple[str, int], liveness: Liveness) -> None:
         self.liveness = liveness

@@ -542,6 +542,7 @@ class Rendezvous:
 
         my_slot = int(self.call(enter))
         deadline = Deadline(st.join_timeout_s)
+        next_note = time.monotonic() + 5.0
         min_at: float | None = None
         slots: dict[int, dict[str, Any]] = {}
         while True:
@@ -579,6 +580,14 @@ class Rendezvous:
                 return Round(n, "too_few", detail=(
                     f"only {len(valid)} of at least {spec.nnodes_min} node(s) joined round {n} "
                     f"within the join timeout ({st.join_timeout_s:g} s)"))
+            if time.monotonic() >= next_note:  # a waiting node says what it waits for
+                next_note = time.monotonic() + 30.0
+                _log.info("round %d: %d node(s) joined (%s), waiting for %s; the job ends "
+                          "(exit 1) if too few join within %.0f s more", n, len(valid),
+                          ", ".join(slots[k]["name"] for k in valid) or "none",
+                          f"at least {spec.nnodes_min}" if len(valid) < spec.nnodes_min
+                          else f"up to {spec.nnodes_max} (last call)",
+                          deadline.remaining())
             time.sleep(0.1)
 
     def _valid(self, slots: dict[int, dict[str, Any]]) -> list[int]:

@@ -115,7 +115,10 @@ def after_failure(launcher: Launcher, res: CycleResult) -> int | None:
 
 
 def print_summary(launcher: Launcher) -> None:
-    """One row per cycle on stderr, then the root cause of the first failed cycle."""
+    """One row per cycle on stderr, then the root cause of the first failed cycle; nothing when
+    no cycle ran (a spare, or bad input found while joining: its one error line stays alone)."""
+    if not launcher.results:
+        return
     try:
         from rich.console import Console
         from rich.markup import escape
