@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -16,6 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runner_workers import EchoWorker
 
 from trainguard.runner import DistributedRunner, SharedSlotAllocationFailed
+
+# A program started from a terminal: Ctrl-C raises KeyboardInterrupt, even when the test run
+# itself was started in the background by a non-interactive shell (which ignores SIGINT, and
+# an ignored signal is inherited across exec).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def say(**kw) -> None:
