@@ -15,7 +15,7 @@ from __future__ import annotations
 import codecs
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 try:  # optional accelerator: multi-substring search in one pass (Rust Aho-Corasick)
@@ -37,6 +37,8 @@ _MAX_KEYS = 4096
 _TEXT = 400
 _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
+#: lines after a failure record's host field (Ray's ``ip:``) in which its reason line may follow
+_RECORD_SPAN = 3
 #: signal names and launcher words for a process killed by a signal -> the negative exit code
 _SIGNALS = {"SIGKILL": -9, "KILLED": -9, "OUT OF MEMORY": -9, "SIGSEGV": -11,
             "SEGMENTATION FAULT": -11, "SIGABRT": -6, "ABORTED": -6, "SIGBUS": -7,
@@ -118,6 +120,7 @@ class ScanState:
     last_checkpoint: tuple | None = None
     _record_host: str | None = None
     _record_rank: int | None = None
+    _record_node: tuple[int, int, str] | None = None  # (file, line, host) of a record's subject
 
     def add(self, m: Match) -> None:
         pid = m.pattern.id
@@ -172,6 +175,8 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
         state.ip_host.setdefault(g["ip"], ctx.node)
     if "endpoint" in g and len(state.endpoints) < 16:
         state.endpoints.add(g["endpoint"])
+    if "record_node" in g:
+        state._record_node = (pos[0][0], pos[0][1], g["record_node"])
     if "record_host" in g:
         state._record_host = g["record_host"]
     if "record_rank" in g:
@@ -248,9 +253,23 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
         _record(best, pos, text, ctx, level, state)
 
 
+def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineContext:
+    """The context of a failure line that closes a multi-line failure record: Ray's actor record
+    (``class_name:`` ... ``pid:`` ... ``ip: 10.0.0.3``) is followed by its reason ("The actor is
+    dead because its node has died"), which is about the record's process on the record's host,
+    not about whoever printed it (a ``(BackendExecutor pid=…, ip=…)`` prefix names the reporter).
+    """
+    rec = state._record_node
+    if rec is None or rec[0] != pos[0] or not 0 < pos[1] - rec[1] <= _RECORD_SPAN:
+        return ctx
+    return replace(ctx, node=rec[2], pid=None)
+
+
 def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: LineContext,
             level: str, state: ScanState) -> None:
     pat, groups = found
+    if pat.role != "exit":
+        ctx = _subject(pos, ctx, state)
     kept = tuple((k, v) for k, v in groups.items() if v is not None)
     match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept, level)
     state.add(match)
