@@ -108,6 +108,8 @@ class ScanState:
     pid_rank: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     ip_host: dict[str, str] = field(default_factory=dict)
     endpoints: set[str] = field(default_factory=set)  # configured store/rendezvous hosts
+    job_hosts: set[str] = field(default_factory=set)  # hosts the job's framing says it ran on
+    nnodes: int = 0  # the most nodes any launcher line says the job spans (0: not said)
     world_size: int | None = None
     exit_records: list[tuple[int, str | None, int]] = field(default_factory=list)
     exits: list[ExitEvent] = field(default_factory=list)
@@ -175,6 +177,7 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
         state.ip_host.setdefault(g["ip"], ctx.node)
     if "endpoint" in g and len(state.endpoints) < 16:
         state.endpoints.add(g["endpoint"])
+    _node_facts(g, state)
     if "record_node" in g:
         state._record_node = (pos[0][0], pos[0][1], g["record_node"])
     if "record_host" in g:
@@ -198,6 +201,19 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
     if pat.role == "checkpoint":
         step = g.get("step") or g.get("step2")
         state.last_checkpoint = (pos, int(step) if step else None)
+
+
+def _node_facts(g: dict[str, str], state: ScanState) -> None:
+    """Hosts named by the job's framing (``job 7 started on node-04``, submitit's
+    ``hostname=``) and the node count its launcher was given (``--nnodes``, ``nnodes=``,
+    submitit's ``node=0(2)``, DeepSpeed's list of workers)."""
+    for k, v in g.items():
+        if k.startswith("job_host") and len(state.job_hosts) < 16:
+            state.job_hosts.add(v)
+        elif k.startswith("nnodes"):
+            state.nnodes = max(state.nnodes, int(v))
+        elif k == "workers":
+            state.nnodes = max(state.nnodes, len([w for w in v.split(",") if w]))
 
 
 def _rank_fact(rank: int, g: dict[str, str], ctx: LineContext, state: ScanState) -> None:
