@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import posixpath
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -39,6 +40,8 @@ _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
 #: lines after a failure record's host field (Ray's ``ip:``) in which its reason line may follow
 _RECORD_SPAN = 3
+_MAX_CKPT_FILES = 64
+_PATH_TRIM = "'\".,:;)]"  # quotes and punctuation around a path named in a message
 #: signal names and launcher words for a process killed by a signal -> the negative exit code
 _SIGNALS = {"SIGKILL": -9, "KILLED": -9, "OUT OF MEMORY": -9, "SIGSEGV": -11,
             "SEGMENTATION FAULT": -11, "SIGABRT": -6, "ABORTED": -6, "SIGBUS": -7,
@@ -110,6 +113,7 @@ class ScanState:
     endpoints: set[str] = field(default_factory=set)  # configured store/rendezvous hosts
     job_hosts: set[str] = field(default_factory=set)  # hosts the job's framing says it ran on
     nnodes: int = 0  # the most nodes any launcher line says the job spans (0: not said)
+    ckpt_files: set[str] = field(default_factory=set)  # checkpoint files the log shows loading
     world_size: int | None = None
     exit_records: list[tuple[int, str | None, int]] = field(default_factory=list)
     exits: list[ExitEvent] = field(default_factory=list)
@@ -178,6 +182,8 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
     if "endpoint" in g and len(state.endpoints) < 16:
         state.endpoints.add(g["endpoint"])
     _node_facts(g, state)
+    if "ckpt_file" in g and len(state.ckpt_files) < _MAX_CKPT_FILES:
+        state.ckpt_files.add(_norm_path(g["ckpt_file"]))
     if "record_node" in g:
         state._record_node = (pos[0][0], pos[0][1], g["record_node"])
     if "record_host" in g:
@@ -201,6 +207,26 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
     if pat.role == "checkpoint":
         step = g.get("step") or g.get("step2")
         state.last_checkpoint = (pos, int(step) if step else None)
+
+
+def _norm_path(path: str) -> str:
+    """``path`` as named in a message, without quotes, trailing dots or ``./`` segments."""
+    return posixpath.normpath(path.strip().strip(_PATH_TRIM))
+
+
+def _in_loaded_checkpoint(groups: dict[str, str | None], state: ScanState) -> bool:
+    """The row's ``path`` lies in the directory of a checkpoint file the log showed being loaded
+    (or below it), and is not that file: a checkpoint that exists and was partly read misses a
+    file. A missing top-level path (the file or directory the job was told to load) is not."""
+    named = [v for k, v in groups.items() if k.startswith("path") and v]
+    if not named or not state.ckpt_files:
+        return False
+    path = _norm_path(named[0])
+    for f in state.ckpt_files:
+        parent = posixpath.dirname(f)
+        if f != path and parent not in ("", ".", "/") and path.startswith(parent + "/"):
+            return True
+    return False
 
 
 def _node_facts(g: dict[str, str], state: ScanState) -> None:
@@ -244,6 +270,8 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
         m = pat.regex.search(body)
         if m is None:
             continue
+        if pat.within is not None and not _in_loaded_checkpoint(m.groupdict(), state):
+            continue  # the only condition so far: "loaded_checkpoint"
         if pat.role in ("benign", "teardown"):
             quiet = True
         elif pat.role == "exit":
