@@ -38,8 +38,9 @@ _MAX_KEYS = 4096
 _TEXT = 400
 _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
-#: lines after a failure record's host field (Ray's ``ip:``) in which its reason line may follow
-_RECORD_SPAN = 3
+#: lines after a failure record's host field (Ray's ``ip:``) within which the first failure line
+#: is taken as the record's reason (room for a few unrelated lines interleaved by other processes)
+_RECORD_SPAN = 12
 _MAX_CKPT_FILES = 64
 _PATH_TRIM = "'\".,:;)]"  # quotes and punctuation around a path named in a message
 #: signal names and launcher words for a process killed by a signal -> the negative exit code
@@ -302,9 +303,14 @@ def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineCo
     (``class_name:`` ... ``pid:`` ... ``ip: 10.0.0.3``) is followed by its reason ("The actor is
     dead because its node has died"), which is about the record's process on the record's host,
     not about whoever printed it (a ``(BackendExecutor pid=…, ip=…)`` prefix names the reporter).
+    The first failure line after the record (within ``_RECORD_SPAN`` lines) is its reason and
+    closes it.
     """
     rec = state._record_node
-    if rec is None or rec[0] != pos[0] or not 0 < pos[1] - rec[1] <= _RECORD_SPAN:
+    if rec is None:
+        return ctx
+    state._record_node = None
+    if rec[0] != pos[0] or not 0 < pos[1] - rec[1] <= _RECORD_SPAN:
         return ctx
     return replace(ctx, node=rec[2], pid=None)
 
