@@ -6,6 +6,12 @@ one ``bytes.find`` pass per trigger), and progress is looked
 up from the end of each chunk, since only the last iteration matters. Everything kept is bounded:
 at most ``_KEEP`` matches per pattern plus per-pattern sets of who printed them.
 
+Facts kept besides matches: identity maps (rank -> host, pid -> rank, ip -> host), the
+launchers' exit reports, the job's framing host(s) and node count, the checkpoint files the log
+shows being loaded (a row may require its ``path`` to lie inside one: ``within:
+loaded_checkpoint``), and the host of an open failure record (Ray's ``ip:``), which the record's
+reason line is about.
+
 The first 64 KiB of each file are sniffed: NUL bytes are an error (binary), and more than 10%
 undecodable or control characters make a warning and mark the file as not text.
 """

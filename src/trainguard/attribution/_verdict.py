@@ -25,6 +25,11 @@ Selection, first that applies:
 5. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
 6. ``unknown``.
 
+Culprit nodes come from the primary's lines (prefixes, named groups, the host of a failure record
+such as Ray's actor record). A fault on a node (a category whose decision excludes nodes) that
+names no node is placed on the job's host when the job's framing names exactly one host and no
+launcher says it spans more (``job 7 started on node-04``, submitit's ``hostname=…, node=0(1)``).
+
 When no input file looks like text (see ``_scan.junk_fraction``) the result is ``unknown`` with
 confidence 0 and decision STOP: a verdict, let alone a restart, cannot rest on unreadable input.
 
