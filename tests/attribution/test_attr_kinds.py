@@ -51,6 +51,13 @@ def test_a_record_far_before_the_death_line_names_nothing(write_log):
     assert category == "node_failure" and nodes == ["10.0.9.1"]  # only the printer is known
 
 
+def test_a_bare_ip_field_outside_a_record_names_nothing(write_log):
+    """An ``ip:`` line of a configuration dump is not a failure record's host."""
+    text = ("server:\n  ip: 10.0.0.5\n  port: 8000\n"
+            "[node-02] RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
+    assert _got(write_log(text))[3] == ["node-02"]
+
+
 def test_k03_ray_node_death():
     assert _got(HELD2 / "k03.log") == ("node_failure", "RESTART_EXCLUDE_NODES", None,
                                        ["10.72.56.3"])

@@ -134,6 +134,7 @@ class ScanState:
     _record_host: str | None = None
     _record_rank: int | None = None
     _record_node: tuple[int, int, str] | None = None  # (file, line, host) of a record's subject
+    _record_open: tuple[int, int] | None = None  # (file, line) of a record's first field
 
     def add(self, m: Match) -> None:
         pid = m.pattern.id
@@ -191,7 +192,9 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
     _node_facts(g, state)
     if "ckpt_file" in g and len(state.ckpt_files) < _MAX_CKPT_FILES:
         state.ckpt_files.add(_norm_path(g["ckpt_file"]))
-    if "record_node" in g:
+    if "record_open" in g:
+        state._record_open = pos[0]
+    if "record_node" in g and _in_record(pos[0], state):
         state._record_node = (pos[0][0], pos[0][1], g["record_node"])
     if "record_host" in g:
         state._record_host = g["record_host"]
@@ -214,6 +217,13 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
     if pat.role == "checkpoint":
         step = g.get("step") or g.get("step2")
         state.last_checkpoint = (pos, int(step) if step else None)
+
+
+def _in_record(at: tuple[int, int], state: ScanState) -> bool:
+    """``at`` is a field of the failure record opened just before (its first field within
+    ``_RECORD_SPAN`` lines): a bare ``ip: …`` line elsewhere is not a record's host."""
+    opened = state._record_open
+    return opened is not None and opened[0] == at[0] and 0 < at[1] - opened[1] <= _RECORD_SPAN
 
 
 def _norm_path(path: str) -> str:
