@@ -15,7 +15,8 @@ KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "de
         "dev_set_category_accuracy", "dev_set_decision_accuracy", "test_set_category_accuracy",
         "test_set_decision_accuracy", "fresh_set_category_accuracy", "fresh_set_decision_accuracy",
         "heldout_set_category_accuracy", "heldout_set_decision_accuracy",
-        "heldout_unshared_set_category_accuracy", "log_mb_per_s_min", "log_mb_per_s_max"]
+        "heldout_unshared_set_category_accuracy", "heldout2_set_category_accuracy",
+        "heldout2_set_decision_accuracy", "log_mb_per_s_min", "log_mb_per_s_max"]
 
 
 @pytest.mark.timeout(120)
@@ -37,6 +38,7 @@ def test_bench_attribution_smoke():
     assert figures["test_set_decision_accuracy"] >= 0.9, figures
     assert figures["test_set_size"] >= 30 and figures["dev_set_size"] >= 30
     assert figures["heldout_set_size"] >= 30 and figures["engine_runs"] == 1
-    for name in ("heldout_set", "fresh_set"):  # issue 12's target, after the fixes
+    assert figures["heldout2_set_size"] == 36
+    for name in ("heldout_set", "heldout2_set", "fresh_set"):  # issue 12's target, after fixes
         assert figures[f"{name}_category_accuracy"] >= 0.9, figures
         assert figures[f"{name}_decision_accuracy"] >= 0.9, figures

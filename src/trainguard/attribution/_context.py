@@ -3,6 +3,8 @@
 Recognised prefixes, outermost first (each optional; several may stack):
 
 * a syslog/journal date or an mpirun ``--timestamp-output`` date;
+* a stream tag (``stdout: `` / ``stderr: ``), as ``accelerate test`` and other subprocess
+  wrappers print their child's output;
 * ``srun -l`` task (``3: ``), mpirun ``--tag-output`` (``[1,30]<stderr>:``), pdsh/DeepSpeed
   multi-node host (``10.0.0.2: `` or ``node-01: ``), node (``[node-01] ``), Ray
   (``(RayTrainWorker pid=12, ip=10.0.0.3) ``);
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 __all__ = ["LineContext", "parse_prefix", "severity"]
 
+_STREAM = re.compile(r"^(?:stdout|stderr): ?")
 _SRUN = re.compile(r"^\s{0,3}(\d{1,6}): ")
 _MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d+)\]<std\w+>:\s?")
 _PDSH = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z][\w-]*\d[\w-]*): (?=\S)")
@@ -55,6 +58,9 @@ def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, s
     """Strip the launcher prefixes (srun, mpirun, pdsh, node, Ray); (task, rank, node, pid)."""
     task = rank = pid = None
     node = None
+    m = _STREAM.match(text)
+    if m:
+        text = text[m.end():]
     m = _MPI.match(text)
     if m:
         rank, text = int(m.group(1)), text[m.end():]

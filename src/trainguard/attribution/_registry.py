@@ -30,6 +30,7 @@ _ROLES = {"root", "confirmation", "cascade", "exit", "benign", "teardown", "diag
           "identity", "checkpoint", "completion", "launcher"}
 _DOMAINS = {"workload", "infrastructure", "unknown", "none"}
 _DECISIONS = {"RESTART", "RESTART_EXCLUDE_NODES", "STOP", "CONTINUE"}
+_WITHIN = {"loaded_checkpoint"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class Pattern:
     triggers: tuple[str, ...]
     regex: re.Pattern[str]
     domain: str | None = None  # overrides the category's domain when this row is the primary
+    #: a condition on the row's ``path`` group: ``loaded_checkpoint`` -- the path lies inside a
+    #: checkpoint directory the log has already shown a file being loaded from
+    within: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,12 @@ def _compile_pattern(row: dict, path: str, categories: dict[str, Category]) -> P
     domain = row.get("domain")
     if domain is not None and domain not in _DOMAINS:
         raise _bad(path, f"pattern {pid!r} has domain {domain!r}; use one of {sorted(_DOMAINS)}")
+    within = row.get("within")
+    if within is not None and (within not in _WITHIN or "path" not in regex.groupindex):
+        raise _bad(path, f"pattern {pid!r} has within {within!r}; use one of {sorted(_WITHIN)}, "
+                         "with a named group 'path' in its regex")
     return Pattern(pid, role, category, tier, int(row.get("priority", default_priority)),
-                   triggers, regex, domain)
+                   triggers, regex, domain, within)
 
 
 def _load_categories(doc: dict, path: str) -> dict[str, Category]:

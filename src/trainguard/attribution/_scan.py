@@ -6,6 +6,12 @@ one ``bytes.find`` pass per trigger), and progress is looked
 up from the end of each chunk, since only the last iteration matters. Everything kept is bounded:
 at most ``_KEEP`` matches per pattern plus per-pattern sets of who printed them.
 
+Facts kept besides matches: identity maps (rank -> host, pid -> rank, ip -> host), the
+launchers' exit reports, the job's framing host(s) and node count, the checkpoint files the log
+shows being loaded (a row may require its ``path`` to lie inside one: ``within:
+loaded_checkpoint``), and the host of an open failure record (Ray's ``ip:``), which the record's
+reason line is about.
+
 The first 64 KiB of each file are sniffed: NUL bytes are an error (binary), and more than 10%
 undecodable or control characters make a warning and mark the file as not text.
 """
@@ -14,8 +20,9 @@ from __future__ import annotations
 
 import codecs
 import os
+import posixpath
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 try:  # optional accelerator: multi-substring search in one pass (Rust Aho-Corasick)
@@ -37,6 +44,11 @@ _MAX_KEYS = 4096
 _TEXT = 400
 _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
+#: lines after a failure record's host field (Ray's ``ip:``) within which the first failure line
+#: is taken as the record's reason (room for a few unrelated lines interleaved by other processes)
+_RECORD_SPAN = 12
+_MAX_CKPT_FILES = 64
+_PATH_TRIM = "'\".,:;)]"  # quotes and punctuation around a path named in a message
 #: signal names and launcher words for a process killed by a signal -> the negative exit code
 _SIGNALS = {"SIGKILL": -9, "KILLED": -9, "OUT OF MEMORY": -9, "SIGSEGV": -11,
             "SEGMENTATION FAULT": -11, "SIGABRT": -6, "ABORTED": -6, "SIGBUS": -7,
@@ -106,6 +118,9 @@ class ScanState:
     pid_rank: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     ip_host: dict[str, str] = field(default_factory=dict)
     endpoints: set[str] = field(default_factory=set)  # configured store/rendezvous hosts
+    job_hosts: set[str] = field(default_factory=set)  # hosts the job's framing says it ran on
+    nnodes: int = 0  # the most nodes any launcher line says the job spans (0: not said)
+    ckpt_files: set[str] = field(default_factory=set)  # checkpoint files the log shows loading
     world_size: int | None = None
     exit_records: list[tuple[int, str | None, int]] = field(default_factory=list)
     exits: list[ExitEvent] = field(default_factory=list)
@@ -118,6 +133,8 @@ class ScanState:
     last_checkpoint: tuple | None = None
     _record_host: str | None = None
     _record_rank: int | None = None
+    _record_node: tuple[int, int, str] | None = None  # (file, line, host) of a record's subject
+    _record_open: tuple[int, int] | None = None  # (file, line) of a record's first field
 
     def add(self, m: Match) -> None:
         pid = m.pattern.id
@@ -172,6 +189,13 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
         state.ip_host.setdefault(g["ip"], ctx.node)
     if "endpoint" in g and len(state.endpoints) < 16:
         state.endpoints.add(g["endpoint"])
+    _node_facts(g, state)
+    if "ckpt_file" in g and len(state.ckpt_files) < _MAX_CKPT_FILES:
+        state.ckpt_files.add(_norm_path(g["ckpt_file"]))
+    if "record_open" in g:
+        state._record_open = pos[0]
+    if "record_node" in g and _in_record(pos[0], state):
+        state._record_node = (pos[0][0], pos[0][1], g["record_node"])
     if "record_host" in g:
         state._record_host = g["record_host"]
     if "record_rank" in g:
@@ -193,6 +217,46 @@ def _fact(pat: Pattern, groups: dict[str, str], ctx: LineContext, state: ScanSta
     if pat.role == "checkpoint":
         step = g.get("step") or g.get("step2")
         state.last_checkpoint = (pos, int(step) if step else None)
+
+
+def _in_record(at: tuple[int, int], state: ScanState) -> bool:
+    """``at`` is a field of the failure record opened just before (its first field within
+    ``_RECORD_SPAN`` lines): a bare ``ip: …`` line elsewhere is not a record's host."""
+    opened = state._record_open
+    return opened is not None and opened[0] == at[0] and 0 < at[1] - opened[1] <= _RECORD_SPAN
+
+
+def _norm_path(path: str) -> str:
+    """``path`` as named in a message, without quotes, trailing dots or ``./`` segments."""
+    return posixpath.normpath(path.strip().strip(_PATH_TRIM))
+
+
+def _in_loaded_checkpoint(groups: dict[str, str | None], state: ScanState) -> bool:
+    """The row's ``path`` lies in the directory of a checkpoint file the log showed being loaded
+    (or below it), and is not that file: a checkpoint that exists and was partly read misses a
+    file. A missing top-level path (the file or directory the job was told to load) is not."""
+    named = [v for k, v in groups.items() if k.startswith("path") and v]
+    if not named or not state.ckpt_files:
+        return False
+    path = _norm_path(named[0])
+    for f in state.ckpt_files:
+        parent = posixpath.dirname(f)
+        if f != path and parent not in ("", ".", "/") and path.startswith(parent + "/"):
+            return True
+    return False
+
+
+def _node_facts(g: dict[str, str], state: ScanState) -> None:
+    """Hosts named by the job's framing (``job 7 started on node-04``, submitit's
+    ``hostname=``) and the node count its launcher was given (``--nnodes``, ``nnodes=``,
+    submitit's ``node=0(2)``, DeepSpeed's list of workers)."""
+    for k, v in g.items():
+        if k.startswith("job_host") and len(state.job_hosts) < 16:
+            state.job_hosts.add(v)
+        elif k.startswith("nnodes"):
+            state.nnodes = max(state.nnodes, int(v))
+        elif k == "workers":
+            state.nnodes = max(state.nnodes, len([w for w in v.split(",") if w]))
 
 
 def _rank_fact(rank: int, g: dict[str, str], ctx: LineContext, state: ScanState) -> None:
@@ -223,6 +287,8 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
         m = pat.regex.search(body)
         if m is None:
             continue
+        if pat.within is not None and not _in_loaded_checkpoint(m.groupdict(), state):
+            continue  # the only condition so far: "loaded_checkpoint"
         if pat.role in ("benign", "teardown"):
             quiet = True
         elif pat.role == "exit":
@@ -248,9 +314,28 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
         _record(best, pos, text, ctx, level, state)
 
 
+def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineContext:
+    """The context of a failure line that closes a multi-line failure record: Ray's actor record
+    (``class_name:`` ... ``pid:`` ... ``ip: 10.0.0.3``) is followed by its reason ("The actor is
+    dead because its node has died"), which is about the record's process on the record's host,
+    not about whoever printed it (a ``(BackendExecutor pid=…, ip=…)`` prefix names the reporter).
+    The first failure line after the record (within ``_RECORD_SPAN`` lines) is its reason and
+    closes it.
+    """
+    rec = state._record_node
+    if rec is None:
+        return ctx
+    state._record_node = None
+    if rec[0] != pos[0] or not 0 < pos[1] - rec[1] <= _RECORD_SPAN:
+        return ctx
+    return replace(ctx, node=rec[2], pid=None)
+
+
 def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: LineContext,
             level: str, state: ScanState) -> None:
     pat, groups = found
+    if pat.role != "exit":
+        ctx = _subject(pos, ctx, state)
     kept = tuple((k, v) for k, v in groups.items() if v is not None)
     match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept, level)
     state.add(match)

@@ -25,6 +25,11 @@ Selection, first that applies:
 5. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
 6. ``unknown``.
 
+Culprit nodes come from the primary's lines (prefixes, named groups, the host of a failure record
+such as Ray's actor record). A fault on a node (a category whose decision excludes nodes) that
+names no node is placed on the job's host when the job's framing names exactly one host and no
+launcher says it spans more (``job 7 started on node-04``, submitit's ``hostname=…, node=0(1)``).
+
 When no input file looks like text (see ``_scan.junk_fraction``) the result is ``unknown`` with
 confidence 0 and decision STOP: a verdict, let alone a restart, cannot rest on unreadable input.
 
@@ -176,6 +181,19 @@ def _ranks_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
     return {r for r in failing if state.rank_host.get(r) in nodes}
 
 
+def _only_host(state: ScanState, res: Resolution) -> list[str]:
+    """The host a single-node job ran on, when its framing names it (``job 7 started on
+    node-04``, submitit's ``hostname=``), no launcher says the job spans more nodes, and no line
+    names any other host; else nothing. A fault on a node (a GPU, the node itself) that the
+    fault line does not place happened there."""
+    if not state.job_hosts or state.nnodes > 1:
+        return []
+    named = set(state.job_hosts) | set(state.rank_host.values()) | \
+        set(state.task_host.values()) | {e.node for e in state.exits if e.node}
+    named |= set().union(*res.nodes.values()) if res.nodes else set()
+    return sorted(named) if len(named) == 1 else []
+
+
 def _laggards(state: ScanState) -> set[int]:
     """Ranks behind their peers: a lower last-enqueued collective, or named by gloo."""
     named = {int(v) for ms in state.matches.values() for m in ms for k, v in m.groups
@@ -240,6 +258,8 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     nodes = sorted(res.nodes_of(ids)) if cat.nodes else []
     if cat.nodes and not nodes and chosen and chosen[0].pattern.domain == "unknown":
         nodes = sorted(state.endpoints)  # an unreachable store the error line does not name
+    if cat.decision == "RESTART_EXCLUDE_NODES" and not nodes:
+        nodes = _only_host(state, res)  # a fault on a node, in a job that ran on one host
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
