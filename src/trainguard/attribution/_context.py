@@ -8,7 +8,8 @@ Recognised prefixes, outermost first (each optional; several may stack):
 * ``srun -l`` task (``3: ``), mpirun ``--tag-output`` (``[1,30]<stderr>:``), pdsh/DeepSpeed
   multi-node host (``10.0.0.2: `` or ``node-01: ``), node (``[node-01] ``), Ray
   (``(RayTrainWorker pid=12, ip=10.0.0.3) ``);
-* torchrun ``[rank3]:`` / ``--tee`` ``[default3]:``, Lightning ``[rank: 3]``;
+* torchrun ``[rank3]:`` (torch 2.6 repeats it: ``[rank3]:[rank3]:``) / ``--tee``
+  ``[default3]:``, Lightning ``[rank: 3]``;
 * NCCL ``host:pid:tid [dev] ``, syslog/dmesg ``Mon DD HH:MM:SS host kernel:``.
 
 The body left after stripping is what patterns see. A rank named inside the body
@@ -28,7 +29,8 @@ _MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d
 _PDSH = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z][\w-]*\d[\w-]*): (?=\S)")
 _NODE = re.compile(r"^\[([A-Za-z][\w.-]*\d[\w.-]*)\]:?\s")
 _RAY = re.compile(r"^\((?:[\w.:-]+ )?pid=(\d+)(?:, ip=([\d.]+))?\)\s?")
-_RANK = re.compile(r"^\[rank(\d+)\]:\s?")
+#: torchrun's rank prefix; torch 2.6 prints it twice (``[rank0]:[rank0]: ``), both are stripped
+_RANK = re.compile(r"^\[rank(\d+)\]:(?:\[rank\1\]:)*\s?")
 _TEE = re.compile(r"^\[default(\d+)\]:\s?")
 _PL_RANK = re.compile(r"^\[rank: (\d+)\]\s")
 _NCCL = re.compile(r"^([A-Za-z][\w.-]*):(\d+):(\d+) \[(\d+)\] ")
