@@ -219,3 +219,28 @@ def test_a_pointer_back_is_teardown(write_log, wrapper):
 
 def test_m32_ray_system_error_after_training():
     assert _got(HELD3 / "m32.log") == ("unknown", "RESTART", None, None)
+
+
+# ------------- a rank inside a non-default process group is not the global rank (m31)
+def test_a_process_group_local_rank_is_not_a_global_rank(write_log):
+    text = ("+ srun -l --ntasks-per-node=4 python train.py\n"
+            "6: [E1002 12:20:55.1 ProcessGroupNCCL.cpp:1923] [PG ID 3 PG GUID 7(DATA_PARALLEL_"
+            "GROUP) Rank 1] Process group watchdog thread terminated with exception: CUDA "
+            "error: an illegal memory access was encountered\n"
+            "6: terminate called after throwing an instance of 'c10::DistBackendError'\n"
+            "6:   what():  [PG ID 3 PG GUID 7(DATA_PARALLEL_GROUP) Rank 1] Process group watchdog "
+            "thread terminated with exception: CUDA error: an illegal memory access\n"
+            "srun: error: node-02: task 6: Aborted (core dumped)\n")
+    category, _, ranks, _ = _got(write_log(text))
+    assert category == "framework_crash" and 1 not in (ranks or []), ranks
+
+
+def test_the_default_group_rank_is_global(write_log):
+    text = ("[E1002 ProcessGroupNCCL.cpp:1923] [PG ID 0 PG GUID 0(default_pg) Rank 5] Process "
+            "group watchdog thread terminated with exception: CUDA error: unspecified launch "
+            "failure\n")
+    assert _got(write_log(text))[2] == [5]
+
+
+def test_m31_tensor_parallel_group_rank():
+    assert _got(HELD3 / "m31.log") == ("framework_crash", "RESTART", [29], None)

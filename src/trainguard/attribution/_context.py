@@ -13,7 +13,9 @@ Recognised prefixes, outermost first (each optional; several may stack):
 * NCCL ``host:pid:tid [dev] ``, syslog/dmesg ``Mon DD HH:MM:SS host kernel:``.
 
 The body left after stripping is what patterns see. A rank named inside the body
-(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one.
+(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one, unless it is a rank in a
+process group other than the default one (``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP)
+Rank 1]`` is rank 1 of a tensor-parallel group, not global rank 1).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ _PL_RANK = re.compile(r"^\[rank: (\d+)\]\s")
 _NCCL = re.compile(r"^([A-Za-z][\w.-]*):(\d+):(\d+) \[(\d+)\] ")
 _SYSLOG = re.compile(
     r"^(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+|\d{4}-\d\d-\d\dT\S+)\s+([\w.-]+)\s+kernel:\s*(?:\[\s*[\d.]+\]\s*)?")
-_INLINE_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d+)\]")
+#: a rank named in the body: ``[Rank 3]``, ``[PG 0 Rank 3]``, ``[PG ID 0 PG GUID 0 Rank 3]``; a
+#: rank in another process group than the default one (PG ID > 0) is local to that group
+_INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?Rank (\d+)\]")
 _NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug)\d*$", re.IGNORECASE)
 _SEVERITY = re.compile(r"(?:^|[\s\[|(])(INFO|WARNING|WARN|DEBUG|ERROR|CRITICAL)(?=[\]|:\s])")
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ ")
@@ -102,8 +106,8 @@ def parse_prefix(text: str) -> tuple[LineContext, str]:
             node, text = m.group(1), text[m.end():]
     if rank is None:
         m = _INLINE_RANK.search(text)
-        if m:
-            rank = int(m.group(1))
+        if m and m.group(1) in (None, "0"):
+            rank = int(m.group(2))
     return LineContext(task, rank, local, node, pid), text
 
 
