@@ -75,6 +75,7 @@ def test_m12_ray_owner_node_crashed():
     "Maximum number of epochs reached (50)\n",
     "max training steps reached, stopping training\n",
     "Training complete in 12m 31s\n",  # the PyTorch transfer-learning tutorial
+    "100 epochs completed in 0.523 hours.\n",  # ultralytics
 ])
 def test_completion_wordings(write_log, line):
     text = "epoch 1 step 10 loss 1.0\nepoch 1 step 20 loss 0.9\n" + line
