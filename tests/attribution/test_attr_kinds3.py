@@ -245,3 +245,13 @@ def test_the_default_group_rank_is_global(write_log):
 
 def test_m31_tensor_parallel_group_rank():
     assert _got(HELD3 / "m31.log") == ("framework_crash", "RESTART", [29], None)
+
+
+def test_a_log_ending_in_an_unrecognised_traceback_is_not_running(write_log):
+    """A traceback whose exception no row knows (no ``Error`` suffix) still ends the job."""
+    text = (_PROGRESS + "Traceback (most recent call last):\n  File \"train.py\", line 9, in "
+            "<module>\n    model = torch.compile(model)\ntorch._dynamo.exc.BackendCompilerFailed"
+            ": backend='inductor' raised: CppCompileError\n")
+    assert _got(write_log(text))[:2] == ("unknown", "RESTART")
+    survived = text + "Running step:   4%|4         | 6/150 [31:37<13:08:41, 324.12s/it]\n"
+    assert _got(write_log(survived))[:2] == ("in_progress", "CONTINUE")
