@@ -255,3 +255,19 @@ def test_a_log_ending_in_an_unrecognised_traceback_is_not_running(write_log):
     assert _got(write_log(text))[:2] == ("unknown", "RESTART")
     survived = text + "Running step:   4%|4         | 6/150 [31:37<13:08:41, 324.12s/it]\n"
     assert _got(write_log(survived))[:2] == ("in_progress", "CONTINUE")
+
+
+# ------------------------------ other launchers' failed-exit reports: never CONTINUE
+def test_open_mpi_nonzero_exit_summary_is_a_failed_exit(write_log):
+    text = ("[1,0]<stdout>:step 120 loss 0.8\n"
+            "mpirun detected that one or more processes exited with non-zero status, thus "
+            "causing\nthe job to be terminated. The first process to do so was:\n\n"
+            "  Process name: [[46272,1],2]\n  Exit code:    1\n")
+    assert _got(write_log(text))[1] != "CONTINUE"
+
+
+def test_kubernetes_oomkilled_is_host_oom(write_log):
+    text = ("step 300 loss 1.1\n"
+            "    Last State:     Terminated\n      Reason:       OOMKilled\n"
+            "      Exit Code:    137\n")
+    assert _got(write_log(text))[:2] == ("host_oom", "STOP")
