@@ -22,8 +22,9 @@ Selection, first that applies:
    (``exit_codes``), so a job whose launcher reports a failed exit never gets ``in_progress``;
    a process only terminated (SIGTERM, 143) is not a culprit, but a log that reports one is not
    ``in_progress`` either: ``unknown``;
-5. a teardown line (ChildFailedError, ActorDiedError, a step being terminated) with no progress
-   after it: ``unknown`` -- a job whose launcher tears it down is never ``in_progress``;
+5. a teardown line (ChildFailedError, ActorDiedError, a step being terminated, a Python
+   traceback) with no progress after it: ``unknown`` -- a job being torn down is never
+   ``in_progress``;
 6. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
 7. ``unknown``.
 
