@@ -17,12 +17,12 @@ from trainguard.attribution import analyze_logs
 
 CORPUS = DATA / "corpus"
 LABELS = json.loads((CORPUS / "labels.json").read_text())
-#: every labelled log: corpus, handed logs, the fresh and both held-apart sets (paths from CORPUS)
+#: every labelled log: corpus, handed logs, the fresh and the held-apart sets (paths from CORPUS)
 FILES = [lb["file"] for lb in LABELS] + [f"../logs/run_{i:02d}.log" for i in range(1, 13)] + [
-    f"../{d}/{lb['file']}" for d in ("fresh", "heldout", "heldout2")
+    f"../{d}/{lb['file']}" for d in ("fresh", "heldout", "heldout2", "heldout3")
     for lb in json.loads((DATA / d / "labels.json").read_text())]
 #: labelled logs of runs still training (nothing failed): a failed exit appended must end that
-RUNNING = [f"../{d}/{lb['file']}" for d in ("corpus", "fresh", "heldout", "heldout2")
+RUNNING = [f"../{d}/{lb['file']}" for d in ("corpus", "fresh", "heldout", "heldout2", "heldout3")
            for lb in json.loads((DATA / d / "labels.json").read_text())
            if lb["primary_category"] == "in_progress"]
 

@@ -8,11 +8,14 @@ Recognised prefixes, outermost first (each optional; several may stack):
 * ``srun -l`` task (``3: ``), mpirun ``--tag-output`` (``[1,30]<stderr>:``), pdsh/DeepSpeed
   multi-node host (``10.0.0.2: `` or ``node-01: ``), node (``[node-01] ``), Ray
   (``(RayTrainWorker pid=12, ip=10.0.0.3) ``);
-* torchrun ``[rank3]:`` / ``--tee`` ``[default3]:``, Lightning ``[rank: 3]``;
+* torchrun ``[rank3]:`` (torch 2.6 repeats it: ``[rank3]:[rank3]:``) / ``--tee``
+  ``[default3]:``, Lightning ``[rank: 3]``;
 * NCCL ``host:pid:tid [dev] ``, syslog/dmesg ``Mon DD HH:MM:SS host kernel:``.
 
 The body left after stripping is what patterns see. A rank named inside the body
-(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one.
+(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one, unless it is a rank in a
+process group other than the default one (``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP)
+Rank 1]`` is rank 1 of a tensor-parallel group, not global rank 1).
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ _MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d
 _PDSH = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z][\w-]*\d[\w-]*): (?=\S)")
 _NODE = re.compile(r"^\[([A-Za-z][\w.-]*\d[\w.-]*)\]:?\s")
 _RAY = re.compile(r"^\((?:[\w.:-]+ )?pid=(\d+)(?:, ip=([\d.]+))?\)\s?")
-_RANK = re.compile(r"^\[rank(\d+)\]:\s?")
+#: torchrun's rank prefix; torch 2.6 prints it twice (``[rank0]:[rank0]: ``), both are stripped
+_RANK = re.compile(r"^\[rank(\d+)\]:(?:\[rank\1\]:)*\s?")
 _TEE = re.compile(r"^\[default(\d+)\]:\s?")
 _PL_RANK = re.compile(r"^\[rank: (\d+)\]\s")
 _NCCL = re.compile(r"^([A-Za-z][\w.-]*):(\d+):(\d+) \[(\d+)\] ")
 _SYSLOG = re.compile(
     r"^(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+|\d{4}-\d\d-\d\dT\S+)\s+([\w.-]+)\s+kernel:\s*(?:\[\s*[\d.]+\]\s*)?")
-_INLINE_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d+)\]")
+#: a rank named in the body: ``[Rank 3]``, ``[PG 0 Rank 3]``, ``[PG ID 0 PG GUID 0 Rank 3]``; a
+#: rank in another process group than the default one (PG ID > 0) is local to that group
+_INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?Rank (\d+)\]")
 _NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug)\d*$", re.IGNORECASE)
 _SEVERITY = re.compile(r"(?:^|[\s\[|(])(INFO|WARNING|WARN|DEBUG|ERROR|CRITICAL)(?=[\]|:\s])")
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ ")
@@ -100,8 +106,8 @@ def parse_prefix(text: str) -> tuple[LineContext, str]:
             node, text = m.group(1), text[m.end():]
     if rank is None:
         m = _INLINE_RANK.search(text)
-        if m:
-            rank = int(m.group(1))
+        if m and m.group(1) in (None, "0"):
+            rank = int(m.group(2))
     return LineContext(task, rank, local, node, pid), text
 
 

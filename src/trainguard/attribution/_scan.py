@@ -7,7 +7,8 @@ up from the end of each chunk, since only the last iteration matters. Everything
 at most ``_KEEP`` matches per pattern plus per-pattern sets of who printed them.
 
 Facts kept besides matches: identity maps (rank -> host, pid -> rank, ip -> host), the
-launchers' exit reports, the job's framing host(s) and node count, the checkpoint files the log
+launchers' exit reports, where the last teardown line is (a log that ends tearing the job down
+is not a running job), the job's framing host(s) and node count, the checkpoint files the log
 shows being loaded (a row may require its ``path`` to lie inside one: ``within:
 loaded_checkpoint``), and the host of an open failure record (Ray's ``ip:``), which the record's
 reason line is about.
@@ -131,6 +132,9 @@ class ScanState:
     first_progress: tuple | None = None
     last_progress: tuple | None = None
     last_checkpoint: tuple | None = None
+    #: (file, line) of the last teardown line (a launcher's or runtime's report that the job is
+    #: being torn down: ChildFailedError, ActorDiedError, "Terminating job step", SIGTERM sent)
+    last_teardown: tuple[int, int] | None = None
     _record_host: str | None = None
     _record_rank: int | None = None
     _record_node: tuple[int, int, str] | None = None  # (file, line, host) of a record's subject
@@ -291,6 +295,8 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             continue  # the only condition so far: "loaded_checkpoint"
         if pat.role in ("benign", "teardown"):
             quiet = True
+            if pat.role == "teardown":
+                state.last_teardown = pos
         elif pat.role == "exit":
             if best_exit is None or pat.priority > best_exit[0].priority:
                 best_exit = (pat, m.groupdict())

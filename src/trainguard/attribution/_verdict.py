@@ -22,13 +22,18 @@ Selection, first that applies:
    (``exit_codes``), so a job whose launcher reports a failed exit never gets ``in_progress``;
    a process only terminated (SIGTERM, 143) is not a culprit, but a log that reports one is not
    ``in_progress`` either: ``unknown``;
-5. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
-6. ``unknown``.
+5. a teardown line (ChildFailedError, ActorDiedError, a step being terminated, a Python
+   traceback) with no progress after it: ``unknown`` -- a job being torn down is never
+   ``in_progress``;
+6. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
+7. ``unknown``.
 
 Culprit nodes come from the primary's lines (prefixes, named groups, the host of a failure record
 such as Ray's actor record). A fault on a node (a category whose decision excludes nodes) that
-names no node is placed on the job's host when the job's framing names exactly one host and no
-launcher says it spans more (``job 7 started on node-04``, submitit's ``hostname=…, node=0(1)``).
+names no node is placed on the host of its culprit rank(s) when a launcher placed them
+(torchrun's failure record), else on the job's host when the job's framing names exactly one
+host and no launcher says it spans more (``job 7 started on node-04``, submitit's
+``hostname=…, node=0(1)``).
 
 When no input file looks like text (see ``_scan.junk_fraction``) the result is ``unknown`` with
 confidence 0 and decision STOP: a verdict, let alone a restart, cannot rest on unreadable input.
@@ -120,9 +125,19 @@ def _select(state: ScanState, ev: _Evidence,
         exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
         return "unknown", exits[:1], (f"a launcher reports a process terminated (code "
                                       f"{first.code}) and nothing in the log says why")
+    if _ends_in_teardown(state):
+        return "unknown", [], ("the log ends with the job being torn down (a launcher's or "
+                               "runtime's failure report) and nothing in it says why")
     if state.last_progress is not None and not job_ended:
         return "in_progress", [], "training progress is logged and nothing has failed"
     return "unknown", [], "no failure or progress evidence in the log"
+
+
+def _ends_in_teardown(state: ScanState) -> bool:
+    """A teardown line (ChildFailedError, ActorDiedError, "Terminating job step") with no
+    training progress after it: whatever ran has stopped, so the job is not in progress."""
+    end = state.last_teardown
+    return end is not None and (state.last_progress is None or state.last_progress[0] < end)
 
 
 def _primary_ids(state: ScanState, category: str, chosen: list[Match]) -> list[str]:
@@ -194,6 +209,16 @@ def _only_host(state: ScanState, res: Resolution) -> list[str]:
     return sorted(named) if len(named) == 1 else []
 
 
+def _hosts_of(state: ScanState, ranks: list[int] | None) -> list[str]:
+    """The hosts the culprit ``ranks`` ran on, when a launcher placed every one of them
+    (torchrun's failure record ``host : node-03`` / ``rank : 1``, a ``[node-01] [rank3]:``
+    prefix): a fault on a node whose line names only the rank (``RuntimeError: CUDA error:
+    uncorrectable ECC error encountered``) happened on the culprit rank's host."""
+    if not ranks or any(r not in state.rank_host for r in ranks):
+        return []
+    return sorted({state.rank_host[r] for r in ranks})
+
+
 def _laggards(state: ScanState) -> set[int]:
     """Ranks behind their peers: a lower last-enqueued collective, or named by gloo."""
     named = {int(v) for ms in state.matches.values() for m in ms for k, v in m.groups
@@ -259,7 +284,8 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     if cat.nodes and not nodes and chosen and chosen[0].pattern.domain == "unknown":
         nodes = sorted(state.endpoints)  # an unreachable store the error line does not name
     if cat.decision == "RESTART_EXCLUDE_NODES" and not nodes:
-        nodes = _only_host(state, res)  # a fault on a node, in a job that ran on one host
+        # a fault on a node: on its culprit ranks' hosts, else on a single-host job's host
+        nodes = _hosts_of(state, ranks) or _only_host(state, res)
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
