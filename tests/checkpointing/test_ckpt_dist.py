@@ -83,24 +83,6 @@ def _errors_and_recovery(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(150)
-def test_errors_reach_every_rank_and_corrupt_shard_fallback(tmp_path):
-    results = run_ranks(_errors_and_recovery, 2, str(tmp_path), timeout_s=140)
-    for rank, (_, out) in enumerate(results):
-        print(rank, out)
-        assert out["poll_done"] == [2]
-        assert out[3][0] == "CheckpointWriteError" and out[3][1] == [1]
-        assert "Disk quota exceeded" in out[3][2]
-        assert out[4][0] == "CheckpointWorkerError" and out[4][1] == [1] and "SIGKILL" in out[4][2]
-        assert out["5"] == [5] and out["committed"] == [1, 2, 5]  # failed 3 and 4 left nothing
-        assert out["b2b"] == [6, 7]
-        assert out["load5"] == (7, rank + 10.0, 2)
-        assert out["fallback"] == (6, rank + 10.0)  # step 7 skipped on both ranks
-    assert results[1][1]["writer_starts"] == 2 and results[0][1]["writer_starts"] == 1
-    with pytest.raises(CheckpointMismatchError, match="written by 2 ranks"):
-        CheckpointManager(tmp_path).load(step=5, world_size=1)
-
-
 def _dcp_both_ways(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -151,17 +133,52 @@ def _dcp_both_ways(rank: int, world_size: int, root: str) -> dict:
     }
 
 
-@pytest.mark.timeout(120)
-def test_dcp_interop_both_ways(tmp_path):
-    results = run_ranks(_dcp_both_ways, 2, str(tmp_path), timeout_s=110)
-    for rank, (_, out) in enumerate(results):
+def _dcp_then_errors(rank: int, world_size: int, root: str) -> dict:
+    """Both 2-rank scenarios below in one launch (one spawn and process group for two tests):
+    DCP interop in ``root/dcp``, then errors and recovery in ``root/errors``."""
+    return {"dcp": _dcp_both_ways(rank, world_size, os.path.join(root, "dcp")),
+            "errors": _errors_and_recovery(rank, world_size, os.path.join(root, "errors"))}
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple:
+    """(root, per-rank results of :func:`_dcp_then_errors`), run once for the module."""
+    root = tmp_path_factory.mktemp("ckpt_dist")
+    results = run_ranks(_dcp_then_errors, 2, str(root), timeout_s=250)  # the two runs had 140 + 110
+    return root, [out for _, out in results]
+
+
+@pytest.mark.timeout(300)  # the first test to ask for the shared launch also waits for it
+def test_errors_reach_every_rank_and_corrupt_shard_fallback(two_rank_run):
+    root, outs = two_rank_run
+    results = [out["errors"] for out in outs]
+    for rank, out in enumerate(results):
+        print(rank, out)
+        assert out["poll_done"] == [2]
+        assert out[3][0] == "CheckpointWriteError" and out[3][1] == [1]
+        assert "Disk quota exceeded" in out[3][2]
+        assert out[4][0] == "CheckpointWorkerError" and out[4][1] == [1] and "SIGKILL" in out[4][2]
+        assert out["5"] == [5] and out["committed"] == [1, 2, 5]  # failed 3 and 4 left nothing
+        assert out["b2b"] == [6, 7]
+        assert out["load5"] == (7, rank + 10.0, 2)
+        assert out["fallback"] == (6, rank + 10.0)  # step 7 skipped on both ranks
+    assert results[1]["writer_starts"] == 2 and results[0]["writer_starts"] == 1
+    with pytest.raises(CheckpointMismatchError, match="written by 2 ranks"):
+        CheckpointManager(root / "errors").load(step=5, world_size=1)
+
+
+@pytest.mark.timeout(300)
+def test_dcp_interop_both_ways(two_rank_run):
+    root, outs = two_rank_run
+    for rank, out in enumerate(out["dcp"] for out in outs):
         assert out["ours"] == (float(rank), 1.0, 3, True), out
         assert out["native"] == (5.0, float(rank)) and out["verified"] == (7, float(rank))
     # a world-size change: DCP reshards, one process reads everything the 2 ranks wrote
     import torch.distributed.checkpoint as dcp
 
     full = {"shared": torch.zeros(6), "own0": torch.zeros(3, 2), "own1": torch.zeros(3, 2)}
-    dcp.load(full, checkpoint_id=CheckpointManager(tmp_path / "ours").path_of(7), no_dist=True)
+    dcp.load(full, checkpoint_id=CheckpointManager(root / "dcp" / "ours").path_of(7),
+             no_dist=True)
     assert full["own1"][0, 0].item() == 1.0 and full["own0"][0, 0].item() == 0.0
 
 

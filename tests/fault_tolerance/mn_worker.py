@@ -43,18 +43,9 @@ for i in range(steps):
     fire = group == fail_node and cycle == fail_cycle and int(os.environ["LOCAL_RANK"]) == 0
     if fire and i == 3:
         if "--exclude" in args:
-            from trainguard.fault_tolerance._client import (
-                RankMonitorClient,
-                WorkloadAction,
-                WorkloadControlRequest,
-            )
+            from _exclude import ask_exclusion
 
-            client = RankMonitorClient()
-            client.init_workload_monitoring()
-            client.send_workload_control_request(
-                WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "bad node"))
-            time.sleep(0.5)
-            sys.exit(3)
+            sys.exit(ask_exclusion("bad node"))
         if "--hang" in args:
             time.sleep(3600)
         raise RuntimeError(f"injected failure on node {group}")

@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from _exclude import ask_exclusion
 
 STEPS = 12
 HOLD_S = 90.0  # a cycle waits at most this long for DIR/release
@@ -73,7 +74,7 @@ def main() -> int:
     exclude = os.path.join(folder, f"exclude_{group}")
     while step < steps or not _released(release, hold_until):
         if cycle == 0 and os.environ.get("LOCAL_RANK") == "0" and os.path.exists(exclude):
-            return _ask_exclusion()
+            return ask_exclusion("netns test: bad node")
         if step < steps:
             train_step(ddp, opt, step)
         else:  # held: keep the ranks in lockstep without changing the weights
@@ -98,21 +99,6 @@ def _released(path: str, hold_until: float) -> bool:
     flag = torch.tensor([1 if os.path.exists(path) or time.monotonic() > hold_until else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank decides the same
     return bool(flag.item())
-
-
-def _ask_exclusion() -> int:
-    from trainguard.fault_tolerance import (
-        RankMonitorClient,
-        WorkloadAction,
-        WorkloadControlRequest,
-    )
-
-    client = RankMonitorClient()
-    client.init_workload_monitoring()
-    client.send_workload_control_request(
-        WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "netns test: bad node"))
-    time.sleep(0.5)
-    return 3
 
 
 def _idle_step() -> None:

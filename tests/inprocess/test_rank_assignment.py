@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from trainguard._core.procs import spawn_context, terminate_processes
+from trainguard._core.net import free_port
+from trainguard._core.procs import terminate_processes
 from trainguard.errors import ConfigError
 from trainguard.inprocess.compose import Compose
 from trainguard.inprocess.exceptions import BarrierTimeout, InternalError, RankDiscarded
@@ -282,12 +284,13 @@ def _filter_count_worker(port: int, rank: int, world: int, dead: list) -> None:
 def test_filter_count_multiprocess_tcpstore():
     """Real processes on a TCPStore: survivors of W=8, T={1,4,5,6} with pairs that must be whole."""
     world, dead = 8, [1, 4, 5, 6]
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
-    )
-    ctx = spawn_context()
+    # Forked, not spawned: the workers use a store client and pure-Python rank assignment only,
+    # so they need no fresh interpreter (no torch import per process). They fork before the store
+    # server starts (no server thread to copy) and connect to its port, retrying, once it is up.
+    port = free_port()
+    ctx = multiprocessing.get_context("fork")
     procs = [
-        ctx.Process(target=_filter_count_worker, args=(store.port, r, world, dead))
+        ctx.Process(target=_filter_count_worker, args=(port, r, world, dead))
         for r in range(world)
         if r not in dead
     ]
@@ -295,6 +298,10 @@ def test_filter_count_multiprocess_tcpstore():
         start = time.monotonic()
         for p in procs:
             p.start()
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
+            wait_for_workers=False
+        )
         for p in procs:
             p.join(75)
         print(f"4 processes ran FilterCountGroupedByKey in {time.monotonic() - start:.2f} s")

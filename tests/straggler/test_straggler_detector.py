@@ -152,7 +152,15 @@ def test_actions_write_files_log_and_request_exclusion(tmp_path, caplog):
 def test_cli_bad_input_is_one_line(tmp_path, capsys):
     assert main(["straggler", "report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not found" in err
+    assert err.count("\n") == 1
+    assert err.startswith("trainguard straggler report: error: no such file or directory: "
+                          f"{tmp_path / 'nope'} (pass the run_dir given to Actions(run_dir=...)")
+    assert main(["straggler", "report", str(tmp_path)]) == 2  # the folder, without the file
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"no such file or directory: {tmp_path / 'straggler.jsonl'} (" in err
+    assert main(["straggler", "report", str(tmp_path), "--last", "0"]) == 2
+    assert capsys.readouterr().err.startswith("trainguard straggler report: error: --last")
     (tmp_path / "straggler.jsonl").write_text('{"window": 0}\n{broken\n')
     assert main(["straggler", "report", str(tmp_path)]) == 2
     assert "straggler.jsonl:2: not a JSON line" in capsys.readouterr().err

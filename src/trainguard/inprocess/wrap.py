@@ -199,10 +199,14 @@ def _warn_if_logging_unconfigured() -> None:
     """``UserWarning`` (shown once per process by Python's default filter) when neither the root
     nor the ``trainguard`` logger has a handler: restarts are reported through ``logging``.
 
-    Follows: NVRx's Wrapper, which warns the same way.
+    Only rank 0 warns (``RANK`` unset, empty or ``0``): every rank runs the same set-up, so one
+    line per job says it; a job of N ranks does not print N copies.
+    Follows: NVRx's Wrapper, which warns the same way (in every rank).
     """
     if (logging.getLogger().handlers or logging.getLogger("trainguard").handlers
             or os.environ.get("TRAINGUARD_LOG_LEVEL")):
+        return
+    if os.environ.get("RANK", "").strip() not in ("", "0"):
         return
     warnings.warn(
         "logging is not configured: trainguard.inprocess reports restarts through the logging "

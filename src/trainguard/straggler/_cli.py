@@ -17,6 +17,7 @@ from typing import Any
 __all__ = ["register"]
 
 _EXIT_BAD_INPUT = 2
+_PROG = "trainguard straggler report"  # prefix of every bad-input line, like other sub-commands
 
 
 def register(subparsers: Any) -> list[str]:
@@ -38,12 +39,14 @@ def load_windows(run_dir: Path) -> list[dict[str, Any]]:
     """The window records of ``run_dir/straggler.jsonl``, oldest first.
 
     Raises:
-        ValueError: the file is missing, empty or has a line that is not JSON (message says which).
+        ValueError: ``run_dir`` or the file is missing, the file is empty or has a line that is
+            not JSON (the message says which, and how to fix it).
     """
     path = run_dir / "straggler.jsonl"
     if not path.is_file():
-        raise ValueError(f"{path} not found: pass the run_dir given to "
-                         "Actions(run_dir=...) in Detector.initialize")
+        missing = run_dir if not run_dir.is_dir() else path
+        raise ValueError(f"no such file or directory: {missing} (pass the run_dir given to "
+                         "Actions(run_dir=...) in Detector.initialize)")
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -142,12 +145,12 @@ def save_heatmap(rows: list[dict[str, Any]], path: Path) -> None:
 def _report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if args.last < 1:
-        print("error: --last must be >= 1", file=sys.stderr)
+        print(f"{_PROG}: error: --last must be >= 1 (got {args.last})", file=sys.stderr)
         return _EXIT_BAD_INPUT
     try:
         rows = load_windows(run_dir)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return _EXIT_BAD_INPUT
     from rich.console import Console
 
@@ -159,8 +162,8 @@ def _report(args: argparse.Namespace) -> int:
         try:
             save_heatmap(rows, png)
         except ModuleNotFoundError:
-            print("error: the heat map needs matplotlib: pip install 'trainguard[demo]' (or "
-                  "pass --no-png)", file=sys.stderr)
+            print(f"{_PROG}: error: the heat map needs matplotlib: pip install "
+                  "'trainguard[demo]' (or pass --no-png)", file=sys.stderr)
             return _EXIT_BAD_INPUT
         console.print(f"heat map: {png}")
     return 0

@@ -46,10 +46,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from trainguard._core.procs import terminate_processes
 from trainguard.errors import ConfigError, TrainguardError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = [
     "NETNS_PATTERN",
@@ -231,7 +234,30 @@ class SimNode:
                               check=False, stdin=subprocess.DEVNULL)
 
 
-class SimNodes:
+class _NodeSet:
+    """What :class:`SimNodes` and :class:`LocalNodes` share: a context manager over ``nodes``
+    whose exit calls ``close``, with ``len`` and indexing over the nodes."""
+
+    nodes: list[SimNode]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __getitem__(self, i: int) -> SimNode:
+        return self.nodes[i]
+
+    def close(self) -> None:
+        """Stop every process started through the nodes (and free what the set owns)."""
+        raise NotImplementedError
+
+
+class SimNodes(_NodeSet):
     """``n`` simulated nodes on one bridge; a context manager that always cleans up.
 
     Args:
@@ -293,18 +319,6 @@ class SimNodes:
             _cmd(["ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", "eth0"])
             _cmd(["ip", "-n", node.netns, "link", "set", "eth0", "up"])
             _cmd(["ip", "-n", node.netns, "link", "set", "lo", "up"])
-
-    def __enter__(self) -> SimNodes:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __len__(self) -> int:
-        return len(self.nodes)
-
-    def __getitem__(self, i: int) -> SimNode:
-        return self.nodes[i]
 
     def namespaces(self) -> list[str]:
         """Every namespace this cluster owns (nodes, then the bridge)."""
@@ -409,7 +423,7 @@ class SimNodes:
         os.close(self._lock_fd)
 
 
-class LocalNodes:
+class LocalNodes(_NodeSet):
     """Fallback with :class:`SimNodes`' process interface where namespaces are unavailable.
 
     Every node is 127.0.0.1 and commands run directly; ``network_faults`` is False and the fault
@@ -421,18 +435,6 @@ class LocalNodes:
             raise ConfigError(f"LocalNodes(n={n}): n must be >= 1")
         self.nodes = [_LocalNode(i) for i in range(n)]
         self.network_faults = False
-
-    def __enter__(self) -> LocalNodes:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __len__(self) -> int:
-        return len(self.nodes)
-
-    def __getitem__(self, i: int) -> SimNode:
-        return self.nodes[i]
 
     def close(self) -> None:
         """Stop every process started through the nodes. Idempotent."""
