@@ -287,3 +287,36 @@ def test_bad_multinode_input_is_one_line_and_bounded(tmp_path, args, needle):
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_node_failure_budget_counts_each_launcher_once_and_ends_the_job():
+    """Survivors that each see the same lapsed lease count it once; one failure past
+    --ft-max-node-failures sets the job's done key to the do-not-requeue code."""
+    import torch.distributed as dist
+
+    from trainguard.fault_tolerance._rdzv import NodeFailureBudget, _Keys
+
+    store, keys = dist.HashStore(), _Keys("budget", 0)
+    budget = NodeFailureBudget(1, 93)
+    assert budget.record(store, keys, "node1-tok", "node node1 lease lapsed") is False
+    assert budget.record(store, keys, "node1-tok", "node node1 lease lapsed") is False  # again
+    assert int(store.add(keys("nodefail/count"), 0)) == 1 and not store.check([keys("done")])
+    assert budget.record(store, keys, "node2-tok", "node node2 excluded") is True
+    done = store.get(keys("done")).decode()
+    assert done.startswith("fail:93:2 node failure(s), more than --ft-max-node-failures 1"), done
+    unlimited, other = NodeFailureBudget(None, 93), _Keys("budget", 1)
+    assert not any(unlimited.record(store, other, f"t{i}", "x") for i in range(5))
+
+
+def test_exclusion_past_the_node_failure_budget_ends_every_launcher(cluster):
+    """--ft-max-node-failures 0: a node asking for its exclusion is one failure too many; every
+    launcher exits with the do-not-requeue code instead of waiting for a replacement."""
+    ep = str(cluster.tmp / "rdzv.store")
+    args = ("--steps", "12", "--fail-node", "1", "--exclude")
+    nodes = [cluster.launch(r, "--max-restarts", "2", "--ft-max-node-failures", "0",
+                            endpoint=ep, conf="store_type=file", script_args=args)
+             for r in (0, 1)]
+    codes = _finish(nodes, 90)
+    assert codes == [93, 93], "\n".join(n.text[-3000:] for n in nodes)
+    text = nodes[0].text + nodes[1].text
+    assert "more than --ft-max-node-failures 0" in text
