@@ -308,7 +308,23 @@ class LeaseKeeper:
             if self.fenced:
                 self._wake()
                 return
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+            self._stop.wait(self._next_wait(t0))
+
+    def _next_wait(self, t0: float) -> float:
+        """Seconds to the next tick: the renewal interval, or sooner when a member of the
+        active round would lapse before then (so a lost node is noticed about one lease after
+        its last renewal was seen, not up to one interval later)."""
+        now = time.monotonic()
+        wait = self.interval_s - (now - t0)
+        with self.lock:
+            tokens = list(self.active[1]) if self.active is not None else []
+            changes = [self.seen[t][1] for t in tokens
+                       if t in self.seen and self.seen[t][0] not in ("exit", "left")]
+        for changed in changes:
+            due = changed + self.lease_s - now
+            if due > 0:  # one already lapsed was handled (or is the next round's business)
+                wait = min(wait, due + 0.01)
+        return max(0.0, wait)
 
     def _tick(self, renew: bool = True) -> None:
         self._seq += 1
