@@ -399,8 +399,10 @@ class NodeFailureBudget:
     exclusion) the job tolerates; ``limit`` None = no limit. One failure more ends the job on
     every node with ``code`` (the do-not-requeue code, ``--ft-no-restart-exit-code``).
 
-    Follows: NVRx's unhealthy-node budget ("too many nodes lost ends the job"); difference: the
-    count lives in the rendezvous store, so every launcher (spares included) sees the same one.
+    The count lives in the rendezvous store, so every launcher (spares included) sees the same
+    one; a failure reported by several survivors (one lapsed lease) counts once.
+
+    Follows: no counterpart in torchrun (``--max-restarts`` counts restarts, not lost nodes).
     """
 
     limit: int | None
