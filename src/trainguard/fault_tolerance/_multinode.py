@@ -178,8 +178,10 @@ class MultiNodeLauncher(Launcher):
                 first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 _log.warning("rendezvous store call failed (%s); retrying while the lease "
                              "holds", first)
-                deadline = Deadline(self.spec.lease_s + 1.0)
+                deadline, seen_ok = Deadline(self.spec.lease_s + 1.0), rdzv.keeper.last_ok
                 while not rdzv.keeper.fenced and not deadline.expired():
+                    if rdzv.keeper.last_ok > seen_ok:  # renewed since: a blip, go on
+                        break
                     time.sleep(0.05)
                 if rdzv.keeper.fenced:
                     return self._fenced()
