@@ -320,3 +320,30 @@ def test_exclusion_past_the_node_failure_budget_ends_every_launcher(cluster):
     assert codes == [93, 93], "\n".join(n.text[-3000:] for n in nodes)
     text = nodes[0].text + nodes[1].text
     assert "more than --ft-max-node-failures 0" in text
+
+
+def test_lease_keeper_wakes_when_a_members_lease_is_due():
+    """The next tick comes when a watched member would lapse, not a whole renewal interval
+    later; members already lapsed (handled) or gone never make it spin."""
+    import torch.distributed as dist
+
+    from trainguard.fault_tolerance._rdzv import LeaseKeeper, _Keys
+
+    store = dist.HashStore()
+    r, w = os.pipe()
+    try:
+        keeper = LeaseKeeper(lambda: store, _Keys("wake", 0), "me", lease_s=2.0, interval_s=0.5,
+                             max_restarts=1, wake_fd=w)
+        t0 = now = time.monotonic()
+        assert keeper._next_wait(t0) == pytest.approx(0.5, abs=0.05)  # nothing watched
+        keeper.watch_round(0, {"a": "node0", "b": "node1", "c": "node2"})
+        keeper.seen = {"a": ("7", now - 1.8), "b": ("3", now - 5.0), "c": ("left", now - 1.9)}
+        wait = keeper._next_wait(t0)
+        print(f"next tick in {wait:.3f} s (member a due in ~0.2 s)")
+        assert 0.1 < wait < 0.3
+        keeper.seen = {"b": ("3", now - 5.0)}  # lapsed already: back to the interval
+        assert keeper._next_wait(t0) == pytest.approx(0.5, abs=0.05)
+        keeper.ds.close()
+    finally:
+        os.close(r)
+        os.close(w)
