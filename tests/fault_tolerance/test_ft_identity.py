@@ -203,6 +203,25 @@ def test_dry_run_on_slurm_multi_node(tmp_path):
     assert json.loads(proc.stdout)["master_addr"] == "gpu001"
 
 
+def test_dry_run_on_slurm_takes_nnodes_from_slurm_and_shows_the_endpoint(tmp_path):
+    """No --nnodes under a multi-node Slurm step with one task per node: SLURM_NNODES is the
+    node count (logged); the endpoint derived from SLURM_JOB_NODELIST is printed."""
+    proc = _dry(tmp_path, _clean_env(**SLURM), "--nproc-per-node", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["nnodes"], out["nnodes_source"]) == ("4:4", "SLURM_NNODES")
+    assert out["rdzv_endpoint"] == "gpu001:29400" and out["rdzv_backend"] == "trainguard"
+    assert out["rdzv_store_type"] == "tcp" and out["ranks"] == [4, 5]
+    assert "--nnodes 4 taken from SLURM_NNODES" in proc.stderr
+    out = json.loads(_dry(tmp_path, _clean_env(**SLURM), "--nnodes", "2:4").stdout)  # CLI wins
+    assert (out["nnodes"], out["nnodes_source"]) == ("2:4", "--nnodes")
+    one = _clean_env(**{**SLURM, "SLURM_NNODES": "1", "SLURM_PROCID": "0",
+                        "SLURM_JOB_NODELIST": "gpu001", "SLURM_NODEID": "0"})
+    out = json.loads(_dry(tmp_path, one).stdout)  # torchrun's default on one node
+    assert (out["nnodes"], out["nnodes_source"], out["rdzv_endpoint"]) == ("1:1", "default",
+                                                                             None)
+
+
 def test_dry_run_on_kubernetes_pytorchjob_and_indexed_job(tmp_path):
     env = _clean_env(PET_NNODES="3", PET_NPROC_PER_NODE="2", PET_NODE_RANK="1",
                      PET_MASTER_ADDR="job-node-0-0.job", PET_MASTER_PORT="29511",

@@ -287,3 +287,63 @@ def test_bad_multinode_input_is_one_line_and_bounded(tmp_path, args, needle):
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_node_failure_budget_counts_each_launcher_once_and_ends_the_job():
+    """Survivors that each see the same lapsed lease count it once; one failure past
+    --ft-max-node-failures sets the job's done key to the do-not-requeue code."""
+    import torch.distributed as dist
+
+    from trainguard.fault_tolerance._rdzv import NodeFailureBudget, _Keys
+
+    store, keys = dist.HashStore(), _Keys("budget", 0)
+    budget = NodeFailureBudget(1, 93)
+    assert budget.record(store, keys, "node1-tok", "node node1 lease lapsed") is False
+    assert budget.record(store, keys, "node1-tok", "node node1 lease lapsed") is False  # again
+    assert int(store.add(keys("nodefail/count"), 0)) == 1 and not store.check([keys("done")])
+    assert budget.record(store, keys, "node2-tok", "node node2 excluded") is True
+    done = store.get(keys("done")).decode()
+    assert done.startswith("fail:93:2 node failure(s), more than --ft-max-node-failures 1"), done
+    unlimited, other = NodeFailureBudget(None, 93), _Keys("budget", 1)
+    assert not any(unlimited.record(store, other, f"t{i}", "x") for i in range(5))
+
+
+def test_exclusion_past_the_node_failure_budget_ends_every_launcher(cluster):
+    """--ft-max-node-failures 0: a node asking for its exclusion is one failure too many; every
+    launcher exits with the do-not-requeue code instead of waiting for a replacement."""
+    ep = str(cluster.tmp / "rdzv.store")
+    args = ("--steps", "12", "--fail-node", "1", "--exclude")
+    nodes = [cluster.launch(r, "--max-restarts", "2", "--ft-max-node-failures", "0",
+                            endpoint=ep, conf="store_type=file", script_args=args)
+             for r in (0, 1)]
+    codes = _finish(nodes, 90)
+    assert codes == [93, 93], "\n".join(n.text[-3000:] for n in nodes)
+    text = nodes[0].text + nodes[1].text
+    assert "more than --ft-max-node-failures 0" in text
+
+
+def test_lease_keeper_wakes_when_a_members_lease_is_due():
+    """The next tick comes when a watched member would lapse, not a whole renewal interval
+    later; members already lapsed (handled) or gone never make it spin."""
+    import torch.distributed as dist
+
+    from trainguard.fault_tolerance._rdzv import LeaseKeeper, _Keys
+
+    store = dist.HashStore()
+    r, w = os.pipe()
+    try:
+        keeper = LeaseKeeper(lambda: store, _Keys("wake", 0), "me", lease_s=2.0, interval_s=0.5,
+                             max_restarts=1, wake_fd=w)
+        t0 = now = time.monotonic()
+        assert keeper._next_wait(t0) == pytest.approx(0.5, abs=0.05)  # nothing watched
+        keeper.watch_round(0, {"a": "node0", "b": "node1", "c": "node2"})
+        keeper.seen = {"a": ("7", now - 1.8), "b": ("3", now - 5.0), "c": ("left", now - 1.9)}
+        wait = keeper._next_wait(t0)
+        print(f"next tick in {wait:.3f} s (member a due in ~0.2 s)")
+        assert 0.1 < wait < 0.3
+        keeper.seen = {"b": ("3", now - 5.0)}  # lapsed already: back to the interval
+        assert keeper._next_wait(t0) == pytest.approx(0.5, abs=0.05)
+        keeper.ds.close()
+    finally:
+        os.close(r)
+        os.close(w)

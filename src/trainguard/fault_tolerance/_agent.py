@@ -35,7 +35,13 @@ from trainguard.fault_tolerance._healthport import HealthServer, LauncherState, 
 from trainguard.fault_tolerance._logs import LogPump
 from trainguard.fault_tolerance._report import after_failure, print_summary
 from trainguard.fault_tolerance._slot import Slot
-from trainguard.fault_tolerance._spawn import ForkServer, Worker, spawn_cold, stop_helper
+from trainguard.fault_tolerance._spawn import (
+    ForkServer,
+    Worker,
+    spawn_cold,
+    stop_helper,
+    stop_helpers,
+)
 from trainguard.fault_tolerance._stragglers import StragglerWatch
 from trainguard.fault_tolerance._sweeper import ENV_MARKER, marked_pids
 from trainguard.fault_tolerance.config import signal_number
@@ -209,10 +215,10 @@ class Launcher:
             signal.signal(signum, handler)
         if self._old_handlers:
             signal.set_wakeup_fd(-1)
-        for m in self.monitors:
-            m.close()
+        helpers = [(m.proc, m.sock) for m in self.monitors]
         if self.server is not None:
-            self.server.close()
+            helpers.append((self.server.proc, self.server.sock))
+        stop_helpers(helpers)  # together, against one deadline (not one second each)
         self.sweep_descendants()
         self.pump.close()
         for s in self.slots:

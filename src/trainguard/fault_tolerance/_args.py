@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from trainguard.fault_tolerance._identity import NodeIdentity, resolve_identity
+from trainguard.fault_tolerance._identity import NodeIdentity, resolve_identity, slurm_nnodes
 from trainguard.fault_tolerance.config import FaultToleranceConfig, load_yaml_section
 from trainguard.fault_tolerance.errors import LaunchConfigError
 
 __all__ = ["LaunchSpec", "build_parser", "parse_launch_args"]
+
+_log = logging.getLogger("trainguard.fault_tolerance")
 
 # torchrun flags: (option strings, dest, default, kind); kind: str | int | float | flag
 _TORCHRUN: list[tuple[tuple[str, ...], str, Any, str, str]] = [
@@ -95,6 +98,9 @@ _FT: list[tuple[str, str]] = [
     ("min_progress_iterations", "iterations a cycle must add to count as progress (1)"),
     ("checkpoint_iteration_file", "file holding the latest checkpointed iteration"),
     ("no_restart_exit_code", "exit code for verdicts a restart will not fix (93)"),
+    ("max_node_failures", ("multi-node: node failures (lapsed lease, failed health check, "
+                           "exclusion) the job tolerates; one more ends every launcher with "
+                           "the no-restart code (default none: no limit)")),
     ("warm_restart", "fork workers from a torch-preloaded server (true)"),
     ("preload", "modules the fork server imports besides torch (comma-separated)"),
     ("attribution", "run trainguard.attribution on each failed cycle's log (true)"),
@@ -159,6 +165,7 @@ class LaunchSpec:
     health_check: str = ""  # --ft-health-check: 'module:function,...' or 'off'
     health_check_timeout_s: float = 30.0  # --ft-health-check-timeout
     dry_run: bool = False  # --dry-run / --print-env
+    nnodes_source: str = "default"  # --nnodes | PET_NNODES | SLURM_NNODES | default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,12 +259,29 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchSpec:
                                 "[script args]")
     values = {dest: _resolve(ns, dest, default, kind)
               for _, dest, default, kind, _ in _TORCHRUN}
+    values["nnodes_source"] = _nnodes_default(ns, values)
     ft = _ft_config(ns)
     values["lease_s"], values["lease_interval_s"] = ns.lease_s, ns.lease_interval_s
     values.update(_node_values(ns))
     values["master_addr_given"] = ns.master_addr is not None or "PET_MASTER_ADDR" in os.environ
     values["identity"] = _identity(ns, values)
     return _spec(values, rest[0], tuple(rest[1:]), ft)
+
+
+def _nnodes_default(ns: argparse.Namespace, values: dict[str, Any]) -> str:
+    """Where ``--nnodes`` came from; takes ``SLURM_NNODES`` when neither the flag nor
+    ``PET_NNODES`` was given (see ``_identity.slurm_nnodes``) and logs it."""
+    if ns.nnodes is not None:
+        return "--nnodes"
+    if os.environ.get("PET_NNODES") is not None:
+        return "PET_NNODES"
+    slurm = slurm_nnodes(os.environ)
+    if not slurm:
+        return "default"
+    values["nnodes"] = str(slurm)
+    _log.info("--nnodes %d taken from SLURM_NNODES (one launcher per node); give --nnodes to "
+              "override", slurm)
+    return "SLURM_NNODES"
 
 
 def _node_values(ns: argparse.Namespace) -> dict[str, Any]:
@@ -421,7 +445,8 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
         rdzv_endpoint=endpoint, rdzv_conf=_raw_conf(str(v["rdzv_conf"])),
         local_addr=v["local_addr"], lease_s=lease_s, lease_interval_s=interval_s,
         identity=ident, health_port=v["health_port"], health_check=v["health_check"],
-        health_check_timeout_s=v["health_check_timeout"], dry_run=v["dry_run"])
+        health_check_timeout_s=v["health_check_timeout"], dry_run=v["dry_run"],
+        nnodes_source=str(v.get("nnodes_source", "default")))
 
 
 def _nnodes(raw: str) -> tuple[int, int]:

@@ -132,6 +132,12 @@ def main() -> None:
         serve(fd, [p for p in preload if p], parent)
     except (BrokenPipeError, ConnectionError):
         pass
+    # Nothing is left to clean up (every worker was stopped and reaped by the launcher); an
+    # interpreter shutdown with torch loaded takes about a second, which the launcher's own
+    # exit (a fenced node's included) would otherwise wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

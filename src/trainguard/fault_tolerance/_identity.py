@@ -44,6 +44,7 @@ __all__ = [
     "expand_hostlist",
     "is_loopback",
     "resolve_identity",
+    "slurm_nnodes",
 ]
 
 _log = logging.getLogger("trainguard.fault_tolerance")
@@ -291,6 +292,23 @@ def resolve_identity(cli_node_rank: int | None, cli_run_id: str | None,
             _spares_note()
     return NodeIdentity(rank, source, run_id, run_source, scheduler, hosts, rdzv_host,
                         host_source, env_nnodes)
+
+
+def slurm_nnodes(env: Mapping[str, str]) -> int:
+    """The node count to use when neither ``--nnodes`` nor ``PET_NNODES`` was given: Slurm's
+    ``SLURM_NNODES`` (or ``SLURM_JOB_NUM_NODES``) when it is > 1 and this node runs one task of
+    the step (``srun --ntasks-per-node=1``, one launcher per node); 0 otherwise (keep torchrun's
+    default of one node). Pure, never blocks.
+
+    Follows: torchrun defaults ``--nnodes`` to 1 whatever the scheduler says; under Slurm with
+    one launcher per node the allocation's node count is what a user means.
+    """
+    if not env.get("SLURM_JOB_ID"):
+        return 0
+    raw = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "")).strip()
+    if not raw.isdigit() or int(raw) <= 1 or _tasks_on_this_node(env) != 1:
+        return 0
+    return int(raw)
 
 
 def _tasks_on_this_node(env: Mapping[str, str]) -> int:

@@ -9,7 +9,9 @@ stops its workers and exits :data:`EXIT_STORE_LOST`.
 Exit codes beyond the single-node ones: ``75`` store lost (self-fenced; requeue ok); ``95``
 this node failed its health check (it left without closing the rendezvous); ``1`` too few nodes
 within the join timeout, no restart left, or this node was excluded; ``2`` bad input, including
-a duplicate identity or mismatched ``--nnodes``.
+a duplicate identity or mismatched ``--nnodes``; ``--ft-no-restart-exit-code`` (93) on every
+launcher once more nodes failed than ``--ft-max-node-failures`` allows (do not requeue: the
+allocation keeps losing nodes).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from trainguard.fault_tolerance._rdzv import (
     Round,
     resolve_identity,
 )
-from trainguard.fault_tolerance._report import after_failure
+from trainguard.fault_tolerance._report import after_failure, preload_summary
 from trainguard.fault_tolerance.errors import EXIT_UNHEALTHY, LaunchConfigError, LauncherError
 from trainguard.fault_tolerance.health import as_probe
 
@@ -144,6 +146,7 @@ class MultiNodeLauncher(Launcher):
         _log.info("node %s joined rendezvous generation %d of run %r (lease %.3g s)",
                   self.identity.name, self.rdzv.gen, self.spec.run_id, self.spec.lease_s)
         super()._setup()
+        preload_summary()  # a fenced node's exit must not wait for an import
 
     def _pending_stop(self) -> int:
         """A SIGTERM/SIGINT/SIGHUP/SIGQUIT received outside a cycle (others are dropped)."""
@@ -175,8 +178,10 @@ class MultiNodeLauncher(Launcher):
                 first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 _log.warning("rendezvous store call failed (%s); retrying while the lease "
                              "holds", first)
-                deadline = Deadline(self.spec.lease_s + 1.0)
+                deadline, seen_ok = Deadline(self.spec.lease_s + 1.0), rdzv.keeper.last_ok
                 while not rdzv.keeper.fenced and not deadline.expired():
+                    if rdzv.keeper.last_ok > seen_ok:  # renewed since: a blip, go on
+                        break
                     time.sleep(0.05)
                 if rdzv.keeper.fenced:
                     return self._fenced()
@@ -190,7 +195,8 @@ class MultiNodeLauncher(Launcher):
                 _log.error("node %s failed its health check (%s): leaving the rendezvous",
                            self.identity.name, sick)
                 self._final = "left"
-                return EXIT_UNHEALTHY
+                over = rdzv.node_failed(f"node {self.identity.name} unhealthy")
+                return self.spec.ft.no_restart_exit_code if over else EXIT_UNHEALTHY
             n, done = rdzv.current_round()
             if done:
                 return self._done(done)
@@ -283,11 +289,14 @@ class MultiNodeLauncher(Launcher):
             state = rdzv._state(rnd.n)
             return self._settle(state) if state is not None and state.kind != "retry" else None
         if "exclude_this_node" in self.stop_requested:
-            _log.error("%s: node %s leaves the job; a spare takes its place (exit %d)",
-                       self.stop_requested, self.identity.name, EXIT_FAILED)
+            over = rdzv.node_failed(f"node {self.identity.name} excluded")
+            left = self.spec.ft.no_restart_exit_code if over else EXIT_FAILED
+            _log.error("%s: node %s leaves the job; %s (exit %d)", self.stop_requested,
+                       self.identity.name, "too many node failures: the job ends" if over
+                       else "a spare takes its place", left)
             rdzv.end_round(rnd.n, f"node {self.identity.name} excluded")
             self._final = "left"
-            return EXIT_FAILED
+            return left
         code = after_failure(self, res)
         detail = f"{root.detail} (rank {root.rank}, node {self.identity.name})" if root else ""
         if code is not None:

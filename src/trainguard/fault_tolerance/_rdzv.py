@@ -15,6 +15,8 @@ Keys (``P = tg/<run_id>/g<gen>/``)::
     P r<N>/ok                members whose workers all exited 0
     P r<N>/end               why round N ended (first writer wins)
     P done                   "ok" or "fail:<exit code>:<reason>": the job is over
+    P nodefail/count         node failures so far (``--ft-max-node-failures``)
+    P nodefail/<token>       1 once the failure of that launcher was counted (counted once)
 
 Every key of a round is namespaced by generation and round, so a reused store never leaks a
 stale round, and a stale store from an earlier job with the same run id (done, or every lease
@@ -45,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard._core.clock import Deadline
-from trainguard._core.store import DeadlineStore
+from trainguard._core.store import DeadlineStore, StoreCallTimeout
 from trainguard.fault_tolerance._args import LaunchSpec
 from trainguard.fault_tolerance.errors import EXIT_STORE_LOST, LaunchConfigError, LauncherError
 
@@ -237,10 +239,12 @@ class LeaseKeeper:
     """
 
     def __init__(self, factory: Callable[[], dist.Store], keys: _Keys, token: str,
-                 lease_s: float, interval_s: float, max_restarts: int, wake_fd: int) -> None:
+                 lease_s: float, interval_s: float, max_restarts: int, wake_fd: int,
+                 budget: NodeFailureBudget | None = None) -> None:
         self.keys, self.token = keys, token
         self.lease_s, self.interval_s = lease_s, interval_s
         self.max_restarts = max_restarts
+        self.budget = budget or NodeFailureBudget(None, 1)
         self.ds = DeadlineStore(factory, lease_s, "lease")
         self.wake_fd = wake_fd
         self.lock = threading.Lock()
@@ -304,7 +308,23 @@ class LeaseKeeper:
             if self.fenced:
                 self._wake()
                 return
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+            self._stop.wait(self._next_wait(t0))
+
+    def _next_wait(self, t0: float) -> float:
+        """Seconds to the next tick: the renewal interval, or sooner when a member of the
+        active round would lapse before then (so a lost node is noticed about one lease after
+        its last renewal was seen, not up to one interval later)."""
+        now = time.monotonic()
+        wait = self.interval_s - (now - t0)
+        with self.lock:
+            tokens = list(self.active[1]) if self.active is not None else []
+            changes = [self.seen[t][1] for t in tokens
+                       if t in self.seen and self.seen[t][0] not in ("exit", "left")]
+        for changed in changes:
+            due = changed + self.lease_s - now
+            if due > 0:  # one already lapsed was handled (or is the next round's business)
+                wait = min(wait, due + 0.01)
+        return max(0.0, wait)
 
     def _tick(self, renew: bool = True) -> None:
         self._seq += 1
@@ -352,17 +372,58 @@ class LeaseKeeper:
                 if state != "live":
                     why = "left" if state == "gone" else f"lease lapsed (> {self.lease_s:g} s)"
                     _log.error("node %s %s: opening the next round", name, why)
+                    if state == "lapsed":
+                        self._count_failure(token, f"node {name} {why}")
                     self._open_next(rnd, f"node {name} {why}")
                     changed = True
                     break
         if changed:
             self._wake()
 
+    def _count_failure(self, token: str, reason: str) -> None:
+        try:
+            self.ds.call(lambda s: self.budget.record(s, self.keys, token, reason))
+        except Exception as exc:  # noqa: BLE001 - the lapse is counted by another survivor
+            _log.warning("could not count the node failure: %s", exc)
+
     def _open_next(self, n: int, reason: str) -> None:
         try:
             self.ds.call(lambda s: open_next_round(s, self.keys, n, reason, self.max_restarts))
         except Exception as exc:  # noqa: BLE001 - retried next tick
             _log.warning("could not open the next round: %s", exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFailureBudget:
+    """``--ft-max-node-failures``: node failures (a lapsed lease, a failed health check, an
+    exclusion) the job tolerates; ``limit`` None = no limit. One failure more ends the job on
+    every node with ``code`` (the do-not-requeue code, ``--ft-no-restart-exit-code``).
+
+    The count lives in the rendezvous store, so every launcher (spares included) sees the same
+    one; a failure reported by several survivors (one lapsed lease) counts once.
+
+    Follows: no counterpart in torchrun (``--max-restarts`` counts restarts, not lost nodes).
+    """
+
+    limit: int | None
+    code: int
+
+    def record(self, s: dist.Store, keys: _Keys, token: str, reason: str) -> bool:
+        """Count the failure of launcher ``token`` once (whoever reports it first); returns True
+        when the budget is exhausted (``done`` is then set). One store round trip or three."""
+        if int(s.add(keys(f"nodefail/{token}"), 1)) != 1:
+            return self.exhausted(int(s.add(keys("nodefail/count"), 0)))
+        n = int(s.add(keys("nodefail/count"), 1))
+        _log.warning("node failure %d of the job (%s); --ft-max-node-failures %s", n, reason,
+                     "none" if self.limit is None else self.limit)
+        if not self.exhausted(n):
+            return False
+        s.compare_set(keys("done"), "", f"fail:{self.code}:{n} node failure(s), more than "
+                                        f"--ft-max-node-failures {self.limit} (last: {reason})")
+        return True
+
+    def exhausted(self, count: int) -> bool:
+        return self.limit is not None and count > self.limit
 
 
 def open_next_round(s: dist.Store, keys: _Keys, n: int, reason: str, max_restarts: int) -> None:
@@ -401,8 +462,23 @@ class Rendezvous:
         self.keys = _Keys(spec.run_id, 0)
         self.keeper: LeaseKeeper | None = None
         self.interrupted: Callable[[], int] = lambda: 0  # pending SIGTERM-like signal, or 0
+        self.budget = NodeFailureBudget(spec.ft.max_node_failures, spec.ft.no_restart_exit_code)
 
     def call(self, fn: Callable[[dist.Store], Any], deadline_s: float | None = None) -> Any:
+        """Run ``fn`` on the store within ``deadline_s`` (default the store deadline), cut to
+        the moment this node's own lease would lapse: when the store is unreachable the lease
+        keeper fences the node then, and the main thread must not sit in a dead call beyond
+        it (a fenced node stops its workers at once).
+
+        Raises:
+            StoreCallTimeout: no answer in time (the caller retries while the lease holds).
+        """
+        keeper = self.keeper
+        if keeper is not None:
+            if keeper.fenced:
+                raise StoreCallTimeout("this node is fenced (lease lost): no more store calls")
+            left = keeper.last_ok + keeper.lease_s - time.monotonic() + 0.1
+            deadline_s = max(0.05, min(deadline_s or self.ds.deadline_s, left))
         return self.ds.call(fn, deadline_s)
 
     # -- start ----------------------------------------------------------------------------
@@ -436,7 +512,7 @@ class Rendezvous:
         self.call(lambda s: s.set(self.keys(f"lease/{self.token}"), "0"))
         self.keeper = LeaseKeeper(self.factory, self.keys, self.token, self.spec.lease_s,
                                   self.spec.lease_interval_s, self.spec.max_restarts,
-                                  self.wake_fd)
+                                  self.wake_fd, self.budget)
         self.keeper.start()
         self._claim()
 
@@ -669,6 +745,11 @@ class Rendezvous:
 
     def end_round(self, n: int, reason: str) -> None:
         self.call(lambda s: open_next_round(s, self.keys, n, reason, self.spec.max_restarts))
+
+    def node_failed(self, reason: str) -> bool:
+        """Count this node's own failure (failed health check, exclusion) against
+        ``--ft-max-node-failures``; True when that exhausted the budget (the job is over)."""
+        return bool(self.call(lambda s: self.budget.record(s, self.keys, self.token, reason)))
 
     def finish(self, value: str) -> None:
         self.call(lambda s: s.compare_set(self.keys("done"), "", value))

@@ -15,13 +15,14 @@ import select
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from trainguard._core.clock import Deadline
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.procs import terminate_processes
 
-__all__ = ["ForkServer", "Worker", "spawn_cold", "stop_helper"]
+__all__ = ["ForkServer", "Worker", "spawn_cold", "stop_helper", "stop_helpers"]
 
 MSG = 1
 _log = logging.getLogger("trainguard.fault_tolerance")
@@ -63,17 +64,30 @@ def stop_helper(proc: subprocess.Popen[bytes], sock: socket.socket, wait_s: floa
     of its tree) and closes ``sock``. Blocks at most about ``wait_s + grace_s`` seconds plus the
     reap; never raises for a helper that is already gone. Idempotent.
     """
-    if proc.poll() is None:
+    stop_helpers([(proc, sock)], wait_s, grace_s)
+
+
+def stop_helpers(helpers: Sequence[tuple[subprocess.Popen[bytes], socket.socket]],
+                 wait_s: float = 1.0, grace_s: float = 1.0) -> None:
+    """:func:`stop_helper` for several helpers at once: every one is asked to stop first, then
+    all of them get one shared ``wait_s`` deadline and one escalation, so stopping N helpers
+    blocks about as long as stopping the slowest one (at most ``wait_s + grace_s`` plus the
+    reap), not N times that. Never raises for helpers already gone. Idempotent."""
+    for proc, sock in helpers:
+        if proc.poll() is None:
+            try:
+                send_msg(sock.fileno(), MSG, {"op": "stop"})
+            except (OSError, ValueError):  # ValueError: the socket is already closed
+                pass
+    deadline = Deadline(wait_s)
+    for proc, _ in helpers:
         try:
-            send_msg(sock.fileno(), MSG, {"op": "stop"})
-        except (OSError, ValueError):  # ValueError: the socket is already closed
-            pass
-        try:
-            proc.wait(wait_s)
+            proc.wait(max(0.0, deadline.remaining()))
         except subprocess.TimeoutExpired:
             pass
-    terminate_processes([proc], grace_s=grace_s)
-    sock.close()
+    terminate_processes([proc for proc, _ in helpers], grace_s=grace_s)
+    for _, sock in helpers:
+        sock.close()
 
 
 class ForkServer:

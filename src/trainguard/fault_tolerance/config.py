@@ -59,6 +59,10 @@ class FaultToleranceConfig:
     min_progress_iterations: int = 1
     checkpoint_iteration_file: str | None = None
     no_restart_exit_code: int = 93
+    #: multi-node: distinct node failures (a lapsed lease, a failed health check, an
+    #: exclusion) the job tolerates; one more ends it everywhere with ``no_restart_exit_code``.
+    #: ``None``: no limit (``--max-restarts`` still bounds the restarts).
+    max_node_failures: int | None = None
     warm_restart: bool = True
     preload: tuple[str, ...] = ()
     attribution: bool = True
@@ -94,6 +98,9 @@ class FaultToleranceConfig:
         if self.attribution_stop_action not in ("log", "no-restart"):
             raise LaunchConfigError("--ft-attribution-stop-action must be 'log' or 'no-restart', "
                                     f"got {self.attribution_stop_action!r}")
+        if self.max_node_failures is not None and self.max_node_failures < 0:
+            raise LaunchConfigError("--ft-max-node-failures must be >= 0 (node failures the job "
+                                    f"tolerates) or 'none', got {self.max_node_failures}")
         if self.max_no_progress_cycles < 0 or self.min_progress_iterations < 1:
             raise LaunchConfigError("--ft-max-no-progress-cycles must be >= 0 and "
                                     "--ft-min-progress-iterations >= 1")
@@ -208,6 +215,14 @@ def _coerce(key: str, raw: Any) -> Any:
         except (TypeError, ValueError):
             raise LaunchConfigError(f"--ft-{key.replace('_', '-')}: {raw!r} is not an integer"
                                     ) from None
+    if key == "max_node_failures":
+        if raw is None or str(raw).strip().lower() in ("", "none", "null"):
+            return None
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise LaunchConfigError(f"--ft-max-node-failures: {raw!r} is not an integer (node "
+                                    "failures the job tolerates) or 'none'") from None
     if key in ("warm_restart", "attribution"):
         if isinstance(raw, bool):
             return raw

@@ -14,7 +14,8 @@ tests/fault_tolerance/test_ft_deploy_examples.py keeps them in sync):
 * ``93``  (``--ft-no-restart-exit-code``) do not requeue: no progress for
   ``--ft-max-no-progress-cycles`` cycles, an attribution STOP verdict with
   ``--ft-attribution-stop-action no-restart``, a rank that never connected to its monitor
-  although client timeouts are configured, or a workload-control shutdown request;
+  although client timeouts are configured, or a workload-control shutdown request; several
+  nodes: more node failures than ``--ft-max-node-failures`` (every launcher exits 93);
 * ``75``  (``errors.EXIT_STORE_LOST``, EX_TEMPFAIL) several nodes: store lost: this node could
   not renew its lease on the rendezvous store for ``--ft-lease-s`` and stopped its workers
   (self-fence; requeue ok). With several nodes, ``1`` also means too few nodes within the join
@@ -141,6 +142,12 @@ def dry_run_report(spec: LaunchSpec) -> dict[str, Any]:
         "ranks": None if node_rank is None else list(range(node_rank * nproc,
                                                           (node_rank + 1) * nproc)),
         "local_ranks": list(range(nproc)),
+        "nnodes": f"{spec.nnodes_min}:{spec.nnodes_max}",
+        "nnodes_source": spec.nnodes_source,
+        "rdzv_backend": spec.rdzv_backend,
+        "rdzv_endpoint": spec.rdzv_endpoint or None,
+        "rdzv_store_type": dict(spec.rdzv_conf).get("store_type", "tcp")
+        if spec.multinode else None,
         "master_addr": spec.master_addr,
         "master_port": spec.master_port,
         "rdzv_host_source": (ident.rdzv_host_source if ident else "") or "flag/env/default",
