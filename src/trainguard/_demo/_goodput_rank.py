@@ -229,8 +229,10 @@ def run_ours(job: Job) -> None:
             stop = job.step(ddp, opt, step)
             cw.ping()
             if step % a.ckpt_every == 0:
-                with cw.atomic():
-                    ckpt.save({"model": net.state_dict(), "opt": opt.state_dict()}, step)
+                # not inside cw.atomic(): a save that waits for a slow or stuck writer (its
+                # staging memory still in flight) must stay interruptible, or a hang timeout
+                # sized to the step kills every rank; an interrupted save is dropped by rebind()
+                ckpt.save({"model": net.state_dict(), "opt": opt.state_dict()}, step)
             for done in ckpt.maybe_finalize():
                 if done is not None and dist.get_rank() == 0:
                     job.events.emit("commit", step=done)
