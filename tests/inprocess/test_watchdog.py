@@ -95,10 +95,11 @@ def test_a_soft_timeout_escalates_only_while_the_watchdog_thread_is_silent():
         time.sleep(0.15)  # this thread sleeps with the GIL released: the watchdog thread runs
         assert not mon._undeliverable(3)  # the interrupt can be taken (a C-call hang)
         wd.close()  # from now on the watchdog thread is silent, as under a GIL-holding hang
-        mon.soft_at = (3, time.monotonic())
-        assert not mon._undeliverable(3)  # not before the grace
+        assert not mon._undeliverable(3)  # silent for less than the grace
         time.sleep(0.1)
         assert mon._undeliverable(3)
+        mon.soft_at = (3, time.monotonic())
+        assert not mon._undeliverable(3)  # the soft timeout fired less than the grace ago
         assert not mon._undeliverable(4)  # another iteration's soft timeout has not fired
     finally:
         wd.close()

@@ -71,9 +71,9 @@ class WrapperConfig:
 
     @property
     def undelivered_grace_s(self) -> float:
-        """Seconds after a soft timeout with the trainer's watchdog thread silent (the main
-        thread holds the GIL, or the process is stopped: the interrupt cannot be taken) before
-        the monitor process kills the rank without waiting for ``hard_timeout``."""
+        """Seconds after a soft timeout, and of the trainer's watchdog thread being silent (the
+        main thread holds the GIL, or the process is stopped: the interrupt cannot be taken),
+        before the monitor process kills the rank without waiting for ``hard_timeout``."""
         return min(max(0.5, 10 * self.progress_watchdog_interval_s),
                    self.hard_timeout_s - self.soft_timeout_s)
 

@@ -5,9 +5,9 @@ a ``getppid`` fallback), records it in the store, marks the rank terminated and 
 barriers on its behalf. It evaluates the progress deadlines on its own clock every
 ``monitor_process_interval``: soft timeout -> record an interruption (every rank restarts, this
 rank stays); hard timeout -> SIGCONT, SIGTERM, grace, SIGKILL, then as for a death. A soft
-timeout whose interrupt cannot be taken (the trainer's watchdog thread has not run since: its
-main thread holds the GIL, or it is stopped) escalates to the kill ``undelivered_grace_s`` later
-instead of waiting for the hard timeout. It publishes a
+timeout whose interrupt cannot be taken (the trainer's watchdog thread has been silent for
+``undelivered_grace_s``: its main thread holds the GIL, or it is stopped) escalates to the kill
+then instead of waiting for the hard timeout. It publishes a
 sibling heartbeat and marks the next live rank in the ring unresponsive if its heartbeat goes
 stale. For the default store the monitor of initial rank 0 hosts the TCPStore, so the store
 survives the death of that rank's trainer; it leaves only after the termination barrier.
@@ -297,17 +297,15 @@ class _Monitor:
             self._record(co.Cause.SOFT_TIMEOUT, it, f"no progress for {age:.3f} s", age)
 
     def _undeliverable(self, it: int) -> bool:
-        """The soft timeout of iteration ``it`` fired ``undelivered_grace_s`` ago and the
-        trainer's watchdog thread has not run since: its main thread holds the GIL (or the
-        process is stopped), so no interrupt can reach it and waiting for ``hard_s`` gains
-        nothing."""
+        """The soft timeout of iteration ``it`` fired at least ``undelivered_grace_s`` ago and
+        the trainer's watchdog thread has been silent for as long: its main thread holds the
+        GIL (or the process is stopped), so no interrupt can reach it and waiting for
+        ``hard_s`` gains nothing."""
         if self.soft_at is None or self.soft_at[0] != it:
             return False
-        fired = self.soft_at[1]
-        if time.monotonic() - fired < self.cfg.undelivered_grace_s:
-            return False
-        sampled = self.block.get("sampled_at")
-        return 0.0 < sampled < fired  # 0: never sampled, nothing to judge by
+        now, grace = time.monotonic(), self.cfg.undelivered_grace_s
+        sampled = self.block.get("sampled_at")  # 0: never sampled, nothing to judge by
+        return now - self.soft_at[1] >= grace and sampled > 0.0 and now - sampled >= grace
 
     def _hard_timeout(self, age: float, why: str = "") -> None:
         self.log.info("hard timeout: no progress for %.3f s%s; killing pid %d", age,

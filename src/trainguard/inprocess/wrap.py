@@ -90,8 +90,9 @@ class Wrapper:
         soft_timeout: no progress -> interrupt and restart (60 s).
         hard_timeout: no progress -> kill the rank (SIGCONT, SIGTERM, grace, SIGKILL) (90 s).
             A rank whose interrupt cannot be taken (its main thread holds the GIL, or it is
-            stopped: its watchdog thread stays silent after the soft timeout) is killed
-            sooner, ``max(0.5 s, 10 x progress_watchdog_interval)`` after the soft timeout.
+            stopped: its watchdog thread is silent) is killed sooner: once the soft timeout
+            has fired and that thread has been silent for ``max(0.5 s, 10 x
+            progress_watchdog_interval)`` (at most ``hard_timeout``).
             Size both to the step time: e.g. soft 1-1.5 s and hard 2.5-3 s for a 50 ms step
             (20-30 steps without progress); the defaults suit steps up to a few seconds.
         barrier_timeout: initial/iteration/termination barriers (120 s).
