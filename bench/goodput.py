@@ -45,8 +45,10 @@ def _parse(argv: list[str] | None) -> tuple[GoodputConfig, argparse.Namespace]:
     p.add_argument("--seed", type=int, default=0, help="seeds the fault mix and ranks")
     p.add_argument("--step-ms", type=float, default=50.0, help="step time, ms (default 50)")
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps (default 20)")
-    p.add_argument("--soft-timeout", type=float, default=3.0, help="trainguard hang timeout, s")
-    p.add_argument("--hard-timeout", type=float, default=6.0, help="trainguard kill timeout, s")
+    p.add_argument("--soft-timeout", type=float, default=GoodputConfig.soft_timeout_s,
+                   help="trainguard hang timeout, s (default 1.5: 30 steps of 50 ms)")
+    p.add_argument("--hard-timeout", type=float, default=GoodputConfig.hard_timeout_s,
+                   help="trainguard kill timeout, s (default 3)")
     p.add_argument("--pg-timeout", type=float, default=30.0,
                    help="baseline process-group timeout, s: what ends a hang there (default 30)")
     p.add_argument("--disk-full-s", type=float, default=3.0, help="seconds the disk stays full")

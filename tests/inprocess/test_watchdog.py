@@ -65,3 +65,44 @@ def test_close_is_idempotent():
     wd.start()
     wd.close()
     wd.close()
+
+
+def _monitor(block: ProgressBlock, grace_s: float):
+    """The monitor process's state machine, built in this process (no fork, no store)."""
+    import logging
+    import os
+
+    from trainguard.inprocess._monitor_process import MonitorConfig, _Monitor
+
+    cfg = MonitorConfig(initial_rank=0, initial_world_size=1, interval_s=0.01, soft_s=1.0,
+                        hard_s=10.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0,
+                        barrier_timeout_s=20.0, grace_s=0.1, collective_grace_s=1.0,
+                        watchdog_interval_s=0.01, undelivered_grace_s=grace_s)
+    r, w = os.pipe()
+    mon = _Monitor(cfg, block, None, r, w, os.getpid(), logging.getLogger("test"))
+    return mon, (r, w)
+
+
+def test_a_soft_timeout_escalates_only_while_the_watchdog_thread_is_silent():
+    import os
+
+    block = ProgressBlock()
+    mon, fds = _monitor(block, grace_s=0.05)
+    wd = ProgressWatchdog(block, interval_s=0.01)
+    try:
+        wd.start()
+        mon.soft_at = (3, time.monotonic())  # the soft timeout of iteration 3 fired now
+        time.sleep(0.15)  # this thread sleeps with the GIL released: the watchdog thread runs
+        assert not mon._undeliverable(3)  # the interrupt can be taken (a C-call hang)
+        wd.close()  # from now on the watchdog thread is silent, as under a GIL-holding hang
+        assert not mon._undeliverable(3)  # silent for less than the grace
+        time.sleep(0.1)
+        assert mon._undeliverable(3)
+        mon.soft_at = (3, time.monotonic())
+        assert not mon._undeliverable(3)  # the soft timeout fired less than the grace ago
+        assert not mon._undeliverable(4)  # another iteration's soft timeout has not fired
+    finally:
+        wd.close()
+        for fd in (*fds, mon.pidfd):
+            if fd is not None:
+                os.close(fd)

@@ -64,8 +64,10 @@ class GoodputConfig:
     seed: int = 0
     step_ms: float = 50.0
     checkpoint_every: int = 20
-    soft_timeout_s: float = 3.0
-    hard_timeout_s: float = 6.0
+    # what a user with a 50 ms step configures: 30 steps without progress -> interrupt, 60 ->
+    # kill (a GIL-holding hang is killed ~1 s after the soft timeout: it cannot be interrupted)
+    soft_timeout_s: float = 1.5
+    hard_timeout_s: float = 3.0
     pg_timeout_s: float = 30.0
     disk_full_s: float = 3.0
     kinds: tuple[str, ...] = KINDS

@@ -198,6 +198,11 @@ def run_ours(job: Job) -> None:
     ckpt = AsyncCheckpointer(a.ckpt_dir, format="torch", keep_last=2, on_error="log",
                              use_dist=False, keep_idle_writer=True, write_timeout=30.0,
                              collective_timeout=30.0)
+    # DDP's lazy imports while the writer process imports torch, then wait for the writer: a
+    # save that finds it still starting blocks the step inside ``cw.atomic()`` (seconds on a
+    # busy machine), where a hang timeout sized to a 50 ms step would kill the rank
+    warm_up()
+    ckpt.warmup(timeout=120.0)
 
     def load(net: nn.Module, opt: torch.optim.Optimizer) -> int:
         try:
@@ -224,8 +229,10 @@ def run_ours(job: Job) -> None:
             stop = job.step(ddp, opt, step)
             cw.ping()
             if step % a.ckpt_every == 0:
-                with cw.atomic():
-                    ckpt.save({"model": net.state_dict(), "opt": opt.state_dict()}, step)
+                # not inside cw.atomic(): a save that waits for a slow or stuck writer (its
+                # staging memory still in flight) must stay interruptible, or a hang timeout
+                # sized to the step kills every rank; an interrupted save is dropped by rebind()
+                ckpt.save({"model": net.state_dict(), "opt": opt.state_dict()}, step)
             for done in ckpt.maybe_finalize():
                 if done is not None and dist.get_rank() == 0:
                     job.events.emit("commit", step=done)
@@ -307,9 +314,9 @@ def _sync_save(path: str, state: dict[str, Any]) -> None:
 
 
 def warm_up() -> None:
-    """Pay DDP's one-time lazy initialisation (it imports ``torch._dynamo``: seconds on a busy
-    machine) before training, as a long job's first minutes would: otherwise a reserve rank pays
-    it inside its first restart, and the first iteration inside the hang timeout."""
+    """(``ours``) Pay DDP's one-time lazy initialisation (it imports ``torch._dynamo``: seconds
+    on a busy machine) before training, as a long job's first minutes would: otherwise a reserve
+    rank pays it inside its first restart, and the first iteration inside the hang timeout."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         DistributedDataParallel(nn.Linear(2, 2))
@@ -320,8 +327,6 @@ def warm_up() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     torch.set_num_threads(1)
-    if args.mode == "ours":  # the baseline is the plain script users have
-        warm_up()
     job = Job(args)
     job.events.emit("start", import_s=round(time.time() - _START_T, 3))
     if args.mode == "ours":

@@ -157,6 +157,9 @@ def register(subparsers: argparse._SubParsersAction) -> list[str]:
                    help="instead of the digits run: train a DDP job for S seconds with a fault "
                    "every 30 s from a seeded mix (exception, SIGKILL, hangs, full disk) and print "
                    "its goodput, the figure bench/goodput.py reports (e.g. --duration 180)")
+    p.add_argument("--fault-every", metavar="S", type=_positive(float, 5.0), default=30.0,
+                   help="with --duration: seconds between faults (default 30, as the benchmark); "
+                   "the last fault comes at least 10 s before the end")
     p.add_argument(
         "--timeout",
         metavar="S",
@@ -269,7 +272,8 @@ def _run_goodput(args: argparse.Namespace) -> int:
         clear_run_files(root)
     except OutputDirError as exc:
         args._parser.exit(2, f"{args._parser.prog}: error: {exc}\n")
-    cfg = GoodputConfig(duration_s=args.duration, ranks=args.ranks, seed=args.seed)
+    cfg = GoodputConfig(duration_s=args.duration, ranks=args.ranks, seed=args.seed,
+                        fault_every_s=args.fault_every)
     console = Console()
     console.print(f"[bold]trainguard demo --duration {args.duration:.0f}[/]: {cfg.ranks} ranks "
                   f"train for {args.duration:.0f} s, a fault every {cfg.fault_every_s:.0f} s")
@@ -299,6 +303,7 @@ def _run_goodput(args: argparse.Namespace) -> int:
         + ("" if tmpfs else "; full disk left out (needs root for a tmpfs)"))
     (root / "goodput.json").write_text(json.dumps(
         {"plan": plan, "figures": run.figures, "exit_codes": run.exit_codes}, indent=2))
+    console.print(f"report: {root / 'goodput.json'}", soft_wrap=True)
     ok = run.ok and recovered
     console.print("[bold green]PASS" if ok else "[bold red]FAIL: a fault was not recovered "
                   f"or a rank failed (exit codes {run.exit_codes}); logs in {root / 'goodput'}")

@@ -69,6 +69,14 @@ class WrapperConfig:
         return min(max(1.0, 4 * self.monitor_process_interval_s),
                    (self.hard_timeout_s - self.soft_timeout_s) / 2)
 
+    @property
+    def undelivered_grace_s(self) -> float:
+        """Seconds after a soft timeout, and of the trainer's watchdog thread being silent (the
+        main thread holds the GIL, or the process is stopped: the interrupt cannot be taken),
+        before the monitor process kills the rank without waiting for ``hard_timeout``."""
+        return min(max(0.5, 10 * self.progress_watchdog_interval_s),
+                   self.hard_timeout_s - self.soft_timeout_s)
+
 
 def _check(cond: bool, text: str, **values: float) -> None:
     if not cond:

@@ -4,7 +4,10 @@ It outlives its trainer: it notices the trainer's death at once (``pidfd`` plus 
 a ``getppid`` fallback), records it in the store, marks the rank terminated and arrives at the
 barriers on its behalf. It evaluates the progress deadlines on its own clock every
 ``monitor_process_interval``: soft timeout -> record an interruption (every rank restarts, this
-rank stays); hard timeout -> SIGCONT, SIGTERM, grace, SIGKILL, then as for a death. It publishes a
+rank stays); hard timeout -> SIGCONT, SIGTERM, grace, SIGKILL, then as for a death. A soft
+timeout whose interrupt cannot be taken (the trainer's watchdog thread has been silent for
+``undelivered_grace_s``: its main thread holds the GIL, or it is stopped) escalates to the kill
+then instead of waiting for the hard timeout. It publishes a
 sibling heartbeat and marks the next live rank in the ring unresponsive if its heartbeat goes
 stale. For the default store the monitor of initial rank 0 hosts the TCPStore, so the store
 survives the death of that rank's trainer; it leaves only after the termination barrier.
@@ -53,6 +56,7 @@ class MonitorConfig:
     grace_s: float
     collective_grace_s: float
     watchdog_interval_s: float
+    undelivered_grace_s: float = float("inf")  # soft timeout -> kill when GIL held/stopped
     logfile: str | None = None
     pidfile: str | None = None
     host: co.StoreAddress | None = None  # set: host the default TCPStore here
@@ -208,6 +212,7 @@ class _Monitor:
         self.next_hb = 0.0
         self.died = False
         self.sibling_armed = False
+        self.soft_at: tuple[int, float] | None = None  # (iteration, monotonic) of a soft timeout
 
     def run(self) -> None:
         # NVRx-compatible first line of the log file (names the process and the trainer)
@@ -277,19 +282,36 @@ class _Monitor:
         it = int(b.get("iteration"))
         if age >= self.cfg.hard_s:
             self._hard_timeout(age)
+        elif self._undeliverable(it):
+            self._hard_timeout(age, "the restart interrupt cannot be taken (main thread holds "
+                                    "the GIL or is stopped)")
         elif age >= self.cfg.soft_s and int(b.get("soft_fired")) != it:
             waiting_on_peer = b.waiting_on_peer(max(3 * self.cfg.watchdog_interval_s, 0.3))
             if waiting_on_peer and age < self.cfg.soft_s + self.cfg.collective_grace_s:
                 return  # blocked in a collective: let the hung peer report first
             b.set("soft_fired", it)
+            self.soft_at = (it, time.monotonic())
             if co.is_interrupted(self.store, self.keys, it):
                 return  # another rank's fault is already being handled
             self.log.info("soft timeout: no progress for %.3f s in iteration %d", age, it)
             self._record(co.Cause.SOFT_TIMEOUT, it, f"no progress for {age:.3f} s", age)
 
-    def _hard_timeout(self, age: float) -> None:
-        self.log.info("hard timeout: no progress for %.3f s; killing pid %d", age, self.trainer)
-        self._depart(co.Cause.HARD_TIMEOUT, f"no progress for {age:.3f} s; killed", age)
+    def _undeliverable(self, it: int) -> bool:
+        """The soft timeout of iteration ``it`` fired at least ``undelivered_grace_s`` ago and
+        the trainer's watchdog thread has been silent for as long: its main thread holds the
+        GIL (or the process is stopped), so no interrupt can reach it and waiting for
+        ``hard_s`` gains nothing."""
+        if self.soft_at is None or self.soft_at[0] != it:
+            return False
+        now, grace = time.monotonic(), self.cfg.undelivered_grace_s
+        sampled = self.block.get("sampled_at")  # 0: never sampled, nothing to judge by
+        return now - self.soft_at[1] >= grace and sampled > 0.0 and now - sampled >= grace
+
+    def _hard_timeout(self, age: float, why: str = "") -> None:
+        self.log.info("hard timeout: no progress for %.3f s%s; killing pid %d", age,
+                      f" ({why})" if why else "", self.trainer)
+        note = f" ({why})" if why else ""
+        self._depart(co.Cause.HARD_TIMEOUT, f"no progress for {age:.3f} s{note}; killed", age)
         terminate_processes([self.trainer], grace_s=self.cfg.grace_s)  # this monitor is spared
         self._finish_death()
 

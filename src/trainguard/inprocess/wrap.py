@@ -89,6 +89,12 @@ class Wrapper:
         progress_watchdog_interval: automatic heartbeat cadence (0.1 s).
         soft_timeout: no progress -> interrupt and restart (60 s).
         hard_timeout: no progress -> kill the rank (SIGCONT, SIGTERM, grace, SIGKILL) (90 s).
+            A rank whose interrupt cannot be taken (its main thread holds the GIL, or it is
+            stopped: its watchdog thread is silent) is killed sooner: once the soft timeout
+            has fired and that thread has been silent for ``max(0.5 s, 10 x
+            progress_watchdog_interval)`` (at most ``hard_timeout``).
+            Size both to the step time: e.g. soft 1-1.5 s and hard 2.5-3 s for a 50 ms step
+            (20-30 steps without progress); the defaults suit steps up to a few seconds.
         barrier_timeout: initial/iteration/termination barriers (120 s).
         completion_timeout: completion barrier after ``fn`` returns (120 s).
         last_call_wait: time to collect concurrent faults before aborting (0.05 s).
@@ -486,6 +492,7 @@ class _Runtime(LoopMixin):
             hard_s=c.hard_timeout_s, heartbeat_interval_s=c.heartbeat_interval_s,
             heartbeat_timeout_s=c.heartbeat_timeout_s, barrier_timeout_s=c.barrier_timeout_s,
             grace_s=c.termination_grace_time_s, collective_grace_s=c.collective_grace_s,
+            undelivered_grace_s=c.undelivered_grace_s,
             watchdog_interval_s=c.progress_watchdog_interval_s,
             logfile=fill(c.monitor_process_logfile), pidfile=fill(c.monitor_process_pidfile),
             host=self._host_addr,
