@@ -2,6 +2,7 @@
 
 Recognised prefixes, outermost first (each optional; several may stack):
 
+* a Kubernetes ``kubectl logs --prefix`` tag (``[pod/worker-1/pytorch] ``): the pod is the node;
 * a syslog/journal date or an mpirun ``--timestamp-output`` date;
 * a stream tag (``stdout: `` / ``stderr: ``), as ``accelerate test`` and other subprocess
   wrappers print their child's output;
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 
 __all__ = ["LineContext", "parse_prefix", "severity"]
 
+#: ``kubectl logs --prefix``: ``[pod/<pod>/<container>] `` (the pod stands for its node)
+_K8S = re.compile(r"^\[pod/([\w.-]+)/[\w.-]+\] ?")
 _STREAM = re.compile(r"^(?:stdout|stderr): ?")
 _SRUN = re.compile(r"^\s{0,3}(\d{1,6}): ")
 _MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d+)\]<std\w+>:\s?")
@@ -64,6 +67,9 @@ def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, s
     """Strip the launcher prefixes (srun, mpirun, pdsh, node, Ray); (task, rank, node, pid)."""
     task = rank = pid = None
     node = None
+    m = _K8S.match(text)
+    if m:
+        node, text = m.group(1), text[m.end():]
     m = _STREAM.match(text)
     if m:
         text = text[m.end():]
