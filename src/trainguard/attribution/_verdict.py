@@ -210,13 +210,20 @@ def _only_host(state: ScanState, res: Resolution) -> list[str]:
     return sorted(named) if len(named) == 1 else []
 
 
-def _failed_exit_host(failed: list[ExitEvent]) -> list[str]:
-    """The node of the failed process exits, when every one names the same node (srun's
-    ``srun: error: node-14: task 0: Exited with exit code 1``, mpirun's ``on node n1 exited on
-    signal``): a node fault whose line names neither rank nor node happened where the process
-    failed. Nothing when an exit names no node or the exits span several nodes."""
+def _failed_exit_host(state: ScanState, res: Resolution, failed: list[ExitEvent]) -> list[str]:
+    """The node of the failed process exits, when every one names the same node and the log
+    names no other host (plain ``srun``: ``srun: error: node-14: task 0: Exited with exit code
+    1``): a node fault whose line names neither rank nor node happened where the process failed.
+    Nothing when an exit names no node, the exits span several nodes, or any other host (the
+    job's framing, a rank's host) or more than one node is named."""
     nodes = {e.node for e in failed}
-    return [n for n in nodes if n] if len(nodes) == 1 else []
+    node = nodes.pop() if len(nodes) == 1 else None
+    if node is None or state.nnodes > 1:
+        return []
+    named = set(state.job_hosts) | set(state.rank_host.values()) | \
+        set(state.task_host.values()) | {e.node for e in state.exits if e.node}
+    named |= set().union(*res.nodes.values()) if res.nodes else set()
+    return [node] if named <= {node} else []
 
 
 def _hosts_of(state: ScanState, ranks: list[int] | None) -> list[str]:
@@ -296,7 +303,8 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     if cat.decision == "RESTART_EXCLUDE_NODES" and not nodes:
         # a fault on a node: on its culprit ranks' hosts, else on a single-host job's host,
         # else on the one node where the launcher saw processes fail
-        nodes = _hosts_of(state, ranks) or _only_host(state, res) or _failed_exit_host(failed)
+        nodes = _hosts_of(state, ranks) or _only_host(state, res) \
+            or _failed_exit_host(state, res, failed)
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
