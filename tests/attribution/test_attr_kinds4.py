@@ -100,6 +100,17 @@ def test_kubectl_pod_prefix_names_the_node(write_log):
                                      ["ddp-worker-1"])
 
 
+def test_a_lowercase_inline_rank_names_the_rank(write_log):
+    """``[rank 5]`` printed by the program inside a Ray actor's output, as ``[Rank 5]``."""
+    text = ("(RayTrainWorker pid=5, ip=10.0.0.2) [rank 5] Exception in checkpoint write: "
+            "[Errno 28] No space left on device\n")
+    assert _got(write_log(text))[:3] == ("storage_full", "STOP", [5])
+
+
+def test_p29_ranks_of_the_full_disk():
+    assert _got(HELD4 / "p29.log") == ("storage_full", "STOP", [6, 11], None)
+
+
 def test_p12_kubernetes_ib_completion():
     category, decision, ranks, nodes = _got(HELD4 / "p12.log")
     assert (category, decision, ranks) == ("network", "RESTART", [12, 13])

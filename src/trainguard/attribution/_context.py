@@ -14,7 +14,7 @@ Recognised prefixes, outermost first (each optional; several may stack):
 * NCCL ``host:pid:tid [dev] ``, syslog/dmesg ``Mon DD HH:MM:SS host kernel:``.
 
 The body left after stripping is what patterns see. A rank named inside the body
-(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one, unless it is a rank in a
+(``[PG 0 Rank 3]``, ``[Rank 3]``, ``[rank 3]``) is taken when no prefix named one, unless it is a rank in a
 process group other than the default one (``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP)
 Rank 1]`` is rank 1 of a tensor-parallel group, not global rank 1).
 """
@@ -43,7 +43,7 @@ _SYSLOG = re.compile(
     r"^(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+|\d{4}-\d\d-\d\dT\S+)\s+([\w.-]+)\s+kernel:\s*(?:\[\s*[\d.]+\]\s*)?")
 #: a rank named in the body: ``[Rank 3]``, ``[PG 0 Rank 3]``, ``[PG ID 0 PG GUID 0 Rank 3]``; a
 #: rank in another process group than the default one (PG ID > 0) is local to that group
-_INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?Rank (\d+)\]")
+_INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?[Rr]ank (\d+)\]")
 _NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug)\d*$", re.IGNORECASE)
 _SEVERITY = re.compile(r"(?:^|[\s\[|(])(INFO|WARNING|WARN|DEBUG|ERROR|CRITICAL)(?=[\]|:\s])")
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ ")
