@@ -16,7 +16,8 @@ Recognised prefixes, outermost first (each optional; several may stack):
 The body left after stripping is what patterns see. A rank named inside the body
 (``[PG 0 Rank 3]``, ``[Rank 3]``, ``[rank 3]``) is taken when no prefix named one, unless it is
 a rank in a process group other than the default one
-(``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP) Rank 1]`` is rank 1 of a tensor-parallel group, not global rank 1).
+(``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP) Rank 1]`` is rank 1 of a tensor-parallel
+group, not global rank 1).
 """
 
 from __future__ import annotations
