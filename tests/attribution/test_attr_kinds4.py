@@ -150,6 +150,11 @@ def test_p21_nvlink_error_under_srun():
     "omegaconf.errors.MissingMandatoryValue: Missing mandatory value: model.name\n",
     "omegaconf.errors.InterpolationResolutionError: Unsupported interpolation type env\n",
     "deepspeed.runtime.config_utils.DeepSpeedConfigError: bf16 and fp16 modes cannot be both on\n",
+    # HF TrainingArguments validation (zjunlp/DeepKE#394, huggingface/transformers#12685)
+    ("ValueError: --load_best_model_at_end requires the save and eval strategy to match, but "
+     "found - Evaluation strategy: no - Save strategy: epoch\n"),
+    ("ValueError: FP16 Mixed precision training with AMP or APEX (`--fp16`) and FP16 half "
+     "precision evaluation (`--fp16_full_eval`) can only be used on CUDA devices.\n"),
 ])
 def test_config_exception_classes(write_log, line):
     assert _got(write_log("step 3 loss 1.2\n" + line))[:2] == ("config_error", "STOP")
@@ -158,6 +163,7 @@ def test_config_exception_classes(write_log, line):
 @pytest.mark.parametrize("line", [
     "RuntimeError: Expected all tensors to be on the same device\n",
     "KeyError: 'config'\n",
+    "ValueError: invalid literal for int() with base 10: '--'\n",
 ])
 def test_other_exceptions_stay_code(write_log, line):
     assert _got(write_log(line))[0] == "code_exception"
