@@ -43,6 +43,9 @@ def test_a_log_ending_in_a_collapsed_loss_scale_is_nan(write_log, tail):
     "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0\n",
     ("[INFO] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 128.0, "
      "reducing to 64.0\n"),
+    # DeepSpeed's hysteresis step (deepspeedai/DeepSpeed#931): not the scale
+    ("[INFO] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, but "
+     "hysteresis is 2. Reducing hysteresis to 1\n"),
     # a scale that fell below 1 and recovered: training went on after it
     "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5\n" + _EPOCH,
 ])
