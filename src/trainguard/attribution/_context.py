@@ -2,6 +2,7 @@
 
 Recognised prefixes, outermost first (each optional; several may stack):
 
+* a Kubernetes ``kubectl logs --prefix`` tag (``[pod/worker-1/pytorch] ``): the pod is the node;
 * a syslog/journal date or an mpirun ``--timestamp-output`` date;
 * a stream tag (``stdout: `` / ``stderr: ``), as ``accelerate test`` and other subprocess
   wrappers print their child's output;
@@ -13,9 +14,10 @@ Recognised prefixes, outermost first (each optional; several may stack):
 * NCCL ``host:pid:tid [dev] ``, syslog/dmesg ``Mon DD HH:MM:SS host kernel:``.
 
 The body left after stripping is what patterns see. A rank named inside the body
-(``[PG 0 Rank 3]``, ``[Rank 3]``) is taken when no prefix named one, unless it is a rank in a
-process group other than the default one (``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP)
-Rank 1]`` is rank 1 of a tensor-parallel group, not global rank 1).
+(``[PG 0 Rank 3]``, ``[Rank 3]``, ``[rank 3]``) is taken when no prefix named one, unless it is
+a rank in a process group other than the default one
+(``[PG ID 5 PG GUID 83(TENSOR_MODEL_PARALLEL_GROUP) Rank 1]`` is rank 1 of a tensor-parallel
+group, not global rank 1).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 __all__ = ["LineContext", "parse_prefix", "severity"]
 
+#: ``kubectl logs --prefix``: ``[pod/<pod>/<container>] `` (the pod stands for its node)
+_K8S = re.compile(r"^\[pod/([\w.-]+)/[\w.-]+\] ?")
 _STREAM = re.compile(r"^(?:stdout|stderr): ?")
 _SRUN = re.compile(r"^\s{0,3}(\d{1,6}): ")
 _MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d+)\]<std\w+>:\s?")
@@ -40,7 +44,7 @@ _SYSLOG = re.compile(
     r"^(?:[A-Z][a-z]{2}\s+\d+\s+[\d:]+|\d{4}-\d\d-\d\dT\S+)\s+([\w.-]+)\s+kernel:\s*(?:\[\s*[\d.]+\]\s*)?")
 #: a rank named in the body: ``[Rank 3]``, ``[PG 0 Rank 3]``, ``[PG ID 0 PG GUID 0 Rank 3]``; a
 #: rank in another process group than the default one (PG ID > 0) is local to that group
-_INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?Rank (\d+)\]")
+_INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?[Rr]ank (\d+)\]")
 _NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug)\d*$", re.IGNORECASE)
 _SEVERITY = re.compile(r"(?:^|[\s\[|(])(INFO|WARNING|WARN|DEBUG|ERROR|CRITICAL)(?=[\]|:\s])")
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ ")
@@ -64,6 +68,9 @@ def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, s
     """Strip the launcher prefixes (srun, mpirun, pdsh, node, Ray); (task, rank, node, pid)."""
     task = rank = pid = None
     node = None
+    m = _K8S.match(text)
+    if m:
+        node, text = m.group(1), text[m.end():]
     m = _STREAM.match(text)
     if m:
         text = text[m.end():]

@@ -33,7 +33,8 @@ such as Ray's actor record). A fault on a node (a category whose decision exclud
 names no node is placed on the host of its culprit rank(s) when a launcher placed them
 (torchrun's failure record), else on the job's host when the job's framing names exactly one
 host and no launcher says it spans more (``job 7 started on node-04``, submitit's
-``hostname=…, node=0(1)``).
+``hostname=…, node=0(1)``), else on the node where every failed process exit happened (plain
+``srun``: ``srun: error: node-14: task 0: Exited with exit code 1``).
 
 When no input file looks like text (see ``_scan.junk_fraction``) the result is ``unknown`` with
 confidence 0 and decision STOP: a verdict, let alone a restart, cannot rest on unreadable input.
@@ -209,6 +210,22 @@ def _only_host(state: ScanState, res: Resolution) -> list[str]:
     return sorted(named) if len(named) == 1 else []
 
 
+def _failed_exit_host(state: ScanState, res: Resolution, failed: list[ExitEvent]) -> list[str]:
+    """The node of the failed process exits, when every one names the same node and the log
+    names no other host (plain ``srun``: ``srun: error: node-14: task 0: Exited with exit code
+    1``): a node fault whose line names neither rank nor node happened where the process failed.
+    Nothing when an exit names no node, the exits span several nodes, or any other host (the
+    job's framing, a rank's host) or more than one node is named."""
+    nodes = {e.node for e in failed}
+    node = nodes.pop() if len(nodes) == 1 else None
+    if node is None or state.nnodes > 1:
+        return []
+    named = set(state.job_hosts) | set(state.rank_host.values()) | \
+        set(state.task_host.values()) | {e.node for e in state.exits if e.node}
+    named |= set().union(*res.nodes.values()) if res.nodes else set()
+    return [node] if named <= {node} else []
+
+
 def _hosts_of(state: ScanState, ranks: list[int] | None) -> list[str]:
     """The hosts the culprit ``ranks`` ran on, when a launcher placed every one of them
     (torchrun's failure record ``host : node-03`` / ``rank : 1``, a ``[node-01] [rank3]:``
@@ -284,8 +301,10 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     if cat.nodes and not nodes and chosen and chosen[0].pattern.domain == "unknown":
         nodes = sorted(state.endpoints)  # an unreachable store the error line does not name
     if cat.decision == "RESTART_EXCLUDE_NODES" and not nodes:
-        # a fault on a node: on its culprit ranks' hosts, else on a single-host job's host
-        nodes = _hosts_of(state, ranks) or _only_host(state, res)
+        # a fault on a node: on its culprit ranks' hosts, else on a single-host job's host,
+        # else on the one node where the launcher saw processes fail
+        nodes = _hosts_of(state, ranks) or _only_host(state, res) \
+            or _failed_exit_host(state, res, failed)
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
