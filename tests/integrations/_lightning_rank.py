@@ -101,6 +101,10 @@ class KillingIO(tgl.TrainguardCheckpointIO):  # type: ignore[misc,valid-type]
             event("kill", latest=latest(ckpt_dir()), listing=sorted(os.listdir(ckpt_dir())))
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def _commit(self, req: Any, target: str, step: int, seq: int) -> None:
+        super()._commit(req, target, step, seq)
+        event("committed", path=target, step=step)
+
 
 class Recorder(L.Callback):
     def __init__(self, ft: Any, straggler: Any, preempt: Any) -> None:

@@ -134,10 +134,6 @@ def _tail(log: Any, n: int = 6000) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 120)
-@pytest.mark.skipif(not os.environ.get("TG_LIGHTNING_E2E"), reason=(
-    "flaky (2 of 4 runs on 2026-12-01): the checkpoint cycle 1 resumes may hold no calculated "
-    "heartbeat timeout yet (calculation skipped as not ready), and cycle 2 once resumed step 8; "
-    "issue 11 stays open until fixed. Run with TG_LIGHTNING_E2E=1"))
 @pytest.mark.parametrize("ns", ["lightning", "pl"])
 def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Path, ns: str):
     _require("pytorch_lightning" if ns == "pl" else "lightning")
@@ -172,11 +168,13 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     assert float(hang.group(1)) < 60
     assert abs(float(hang.group(1)) - restored[0]["subsequent"]) < 2.0
     final = _find(events, "start", cycle=2)
-    # cycle 2 resumes a committed checkpoint no older than the one cycle 1 started from (a save
-    # of cycle 1 may still be in flight when the hang is killed; once, in a loaded CI run, cycle
-    # 2 resumed step 8 although cycle 1 passed step 12: see the closing note of that session)
-    assert {e["global_step"] for e in final} == {min(e["global_step"] for e in final)}, final
-    assert min(e["global_step"] for e in final) >= _step_of(kill[0]["latest"])
+    # cycle 2 resumes the newest checkpoint committed before cycle 1 died. Not necessarily
+    # cycle 1's last save: a fresh writer process per cycle (it imports torch) may not have
+    # written it yet, and a write that ends after rank 0's last batch end is never committed
+    # (commits happen on the training thread, which then waits in the all-reduce of the
+    # hung peer) -- a save in flight at the kill is lost by design, never a committed one
+    committed = [e["step"] for e in _find(events, "committed", rank=0) if e["cycle"] <= 1]
+    assert {e["global_step"] for e in final} == {max(committed)}, (final, committed)
     assert all(e["ft_loaded"]["current_timeouts"]["heartbeat"]["were_calculated"] for e in final)
 
     # cycle 2: the 1.3x slower rank 1 is reported by rank 0
@@ -191,7 +189,9 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     path = ends[0]["preempt_path"]
     assert path == ends[1]["preempt_path"]
     assert committed_file_step(path) == ends[0]["preempted"]
-    assert latest(tmp_path / "ckpt") == path
+    # ModelCheckpoint may save the same step too (stop step % every == 0): either file is it
+    newest = latest(tmp_path / "ckpt")
+    assert newest is not None and committed_file_step(newest) == ends[0]["preempted"], newest
     ckpt = torch.load(path, weights_only=False)
     assert ckpt["global_step"] == ends[0]["preempted"]
     assert exit_s < 30, exit_s
