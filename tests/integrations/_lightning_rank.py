@@ -148,7 +148,7 @@ def build(iteration: int = 0) -> tuple[Any, list[Any]]:
                                     min_timeout=2.0) if CFG.get("ft", True) else None
     # 2 ranks: the median is the mean, so a 1.3x rank scores about 1.13 against it
     scoring = ScoringConfig(ratio_threshold=1.07, clear_ratio=1.03, floor_ms=1.0, floor_pct=1.0,
-                            consecutive=1, warmup_windows=1)
+                            consecutive=2, warmup_windows=1)
     straggler = tgl.StragglerCallback(window_steps=5, scoring=scoring)
     preempt = tgl.PreemptionCallback() if CFG.get("preempt") else None
     sharded = tgl.ShardedCheckpointCallback(sharded_dir(),

@@ -82,13 +82,13 @@ def _wait_for(root: Path, proc: subprocess.Popen, ready: Any, timeout_s: float) 
 def _run(tmp_path: Path, ns: str) -> tuple[int, str, list[dict], float]:
     """Run the three-cycle scenario; returns (rc, launcher output, events, SIGTERM->exit s)."""
     cfg = {"ns": ns, "root": str(tmp_path), "max_steps": 2000, "step_s": 0.05,
-           "slow": [1, 1.3], "kill_after_save": [0, 2], "hang": [1, HANG_AFTER, 1], "in_flight": 16,
+           "slow": [1, 1.3], "kill_after_save": [0, 2], "hang": [1, HANG_AFTER, 1], "in_flight": 64,
            "preempt": True, "calc_after": 4, "every": 4}
     env = {**os.environ, **SLURM, "TG_LT": json.dumps(cfg),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     preload = "pytorch_lightning" if ns == "pl" else "lightning"
     cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--ft-preload", preload, "--ft-safety-factor", "100",
+           "--max-restarts", "2", "--ft-preload", preload, "--ft-safety-factor", "30",
            "--ft-rank-heartbeat-timeout", "60", "--ft-workload-check-interval", "0.1",
            "--monitor-interval", "0.1", "--ft-rank-termination-grace", "1",
            "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "lt", WORKER]
