@@ -181,8 +181,10 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     assert {e["global_step"] for e in final} == {max(committed)}, (final, committed)
     assert all(e["ft_loaded"]["current_timeouts"]["heartbeat"]["were_calculated"] for e in final)
 
-    # cycle 2: the 1.3x slower rank 1 is reported by rank 0
-    reports = _find(events, "report", rank=0)
+    # cycle 2: the 1.3x slower rank 1 is reported by rank 0. Only cycle 2 counts: in cycle 0
+    # rank 0 also hosts the checkpoint writer process while it imports torch on the same cores,
+    # and on a loaded machine it then really was the slower rank for a few windows
+    reports = _find(events, "report", rank=0, cycle=2)
     assert any(e["flagged"] == [1] for e in reports), reports
     assert not any(0 in e["flagged"] for e in reports), reports
 
