@@ -7,6 +7,7 @@ Namespace-free: :mod:`trainguard.integrations.lightning` and ``.pl`` combine it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from trainguard._core.logging import get_logger
@@ -14,7 +15,7 @@ from trainguard.errors import ConfigError
 from trainguard.fault_tolerance import MonitorUnavailableError, RankMonitorClient
 from trainguard.integrations.lightning._common import (
     check_cluster_environment,
-    poll_checkpoint_io,
+    checkpoint_poller,
     set_active_client,
 )
 
@@ -85,11 +86,13 @@ class FaultToleranceLogic:
         self._steps = 0
         self._saved = False
         self._loaded_state: dict[str, Any] | None = None
+        self._poll: Callable[[], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self.active:
             return
+        self._poll = checkpoint_poller(trainer)
         try:
             self.client.init_workload_monitoring()
         except MonitorUnavailableError as exc:
@@ -136,7 +139,8 @@ class FaultToleranceLogic:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        poll_checkpoint_io(trainer)
+        if self._poll is not None:
+            self._poll()
         if not self.active:
             return
         client = self.client

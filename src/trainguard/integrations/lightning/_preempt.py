@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from trainguard._core.logging import get_logger
 from trainguard.errors import ConfigError
-from trainguard.integrations.lightning._common import poll_checkpoint_io
+from trainguard.integrations.lightning._common import checkpoint_poller
 
 __all__ = ["PreemptionLogic"]
 
@@ -84,6 +85,7 @@ class PreemptionLogic:
         self._steps = 0
         self._group: Any = None
         self._pending: Any = None  # (work, tensor) of the all-reduce started at the last check
+        self._poll: Callable[[], None] | None = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.requested:  # a flag only: no I/O, no collective, no allocation of note
@@ -94,6 +96,7 @@ class PreemptionLogic:
         import torch.distributed as dist
 
         self._steps, self._pending, self._group = 0, None, None
+        self._poll = checkpoint_poller(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo",
                                          timeout=timedelta(seconds=self.group_timeout))
@@ -119,7 +122,8 @@ class PreemptionLogic:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        poll_checkpoint_io(trainer)
+        if self._poll is not None:
+            self._poll()
         self._steps += 1
         if self._steps % self.check_every_n_steps or self.preempted_at_step is not None:
             return

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainguard._core.logging import get_logger
 from trainguard.errors import ConfigError
-from trainguard.integrations.lightning._common import poll_checkpoint_io
+from trainguard.integrations.lightning._common import checkpoint_poller
 from trainguard.straggler import Detector, Report, ScoringConfig
 
 __all__ = ["StragglerLogic"]
@@ -93,8 +93,10 @@ class StragglerLogic:
         self.stopped_at_step: int | None = None
         self._owned = False
         self._active = False
-        self._open: list[Any] = []
-        self._sections: dict[str, Any] = {}
+        # per section: its bound __enter__/__exit__ (resolved once: the marks run every step)
+        self._marks: dict[str, tuple[Callable[[], Any], Callable[..., Any]]] = {}
+        self._exit: Callable[..., Any] | None = None  # __exit__ of the open section
+        self._poll: Callable[[], None] | None = None
         self._flagged = False
         self._steps = 0
 
@@ -106,7 +108,9 @@ class StragglerLogic:
                                 report_time_interval=self.report_time_interval,
                                 scoring=self.scoring, **self.detector_kwargs)
             self._owned = True
-        self._sections = {n: Detector.detection_section(n) for n in _SECTIONS}
+        sections = [Detector.detection_section(n) for n in _SECTIONS]
+        self._marks = {n: (sec.__enter__, sec.__exit__) for n, sec in zip(_SECTIONS, sections)}
+        self._poll = checkpoint_poller(trainer)
         self._active, self._flagged, self._steps = True, False, 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -127,18 +131,20 @@ class StragglerLogic:
         self.teardown(trainer, pl_module, "fit")
 
     def _drop_open(self) -> None:
-        while self._open:  # an interrupted batch records nothing
-            self._open.pop().__exit__(RuntimeError, None, None)
+        ex, self._exit = self._exit, None
+        if ex is not None:  # an interrupted batch records nothing
+            ex(RuntimeError, None, None)
 
     def _enter(self, name: str) -> None:
-        self._drop_open()
-        section = self._sections[name]
-        section.__enter__()
-        self._open.append(section)
+        if self._exit is not None:
+            self._drop_open()
+        enter, self._exit = self._marks[name]
+        enter()
 
     def _close(self) -> None:
-        while self._open:
-            self._open.pop().__exit__(None, None, None)
+        ex, self._exit = self._exit, None
+        if ex is not None:
+            ex(None, None, None)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
@@ -160,7 +166,8 @@ class StragglerLogic:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        poll_checkpoint_io(trainer)
+        if self._poll is not None:
+            self._poll()
         if not self._active:
             return
         self._close()
