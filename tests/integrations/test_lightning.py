@@ -143,6 +143,11 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     rc, out, events, exit_s = _run(tmp_path, ns)
     print(f"[{ns}] SIGTERM (0.5 s apart) -> launcher exit: {exit_s:.2f} s")
     assert rc == 0, out[-6000:]
+    check_scenario(tmp_path, ns, out, events, exit_s)
+
+
+def check_scenario(tmp_path: Path, ns: str, out: str, events: list[dict], exit_s: float) -> None:
+    """The scenario's assertions on a finished run (also usable on a kept run directory)."""
 
     # Slurm-like environment, yet every rank of every cycle runs in the torchrun environment
     starts = _find(events, "start")
@@ -184,9 +189,12 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     # cycle 2: the 1.3x slower rank 1 is reported by rank 0. Only cycle 2 counts: in cycle 0
     # rank 0 also hosts the checkpoint writer process while it imports torch on the same cores,
     # and on a loaded machine it then really was the slower rank for a few windows
+    # and, when its writer process starts writing, rank 0 again can be slower for a window or
+    # two (seen at load 25): rank 1 must be reported, and more often than rank 0
     reports = _find(events, "report", rank=0, cycle=2)
-    assert any(e["flagged"] == [1] for e in reports), reports
-    assert not any(0 in e["flagged"] for e in reports), reports
+    slow1 = sum(1 in e["flagged"] for e in reports)
+    slow0 = sum(0 in e["flagged"] for e in reports)
+    assert slow1 >= 1 and slow1 > slow0, (slow1, slow0, [e["line"] for e in reports])
 
     # preemption: both ranks stopped after the same step and saved it, committed and loadable
     ends = _find(events, "end", cycle=2)
