@@ -8,6 +8,9 @@ Measured in one run, each with its baseline:
   per training step, over a 10 ms step; ``callback_wall_overhead_pct`` is the same with the wall
   clock, which on a shared machine also counts the time the thread was not scheduled. Real
   ``lightning.Trainer``, DDP with 2 gloo ranks under ``trainguard launch``, median over ranks.
+  The timing wrapper's own cost (``time.thread_time`` is a system call, ~3 us here) is measured
+  around an empty hook in the same processes and subtracted (``timer_cpu_us_per_step``; the
+  uncorrected figure is ``raw_callback_cpu_us_per_step``).
   Baseline in the same processes: an A/B of the step wall time with and without the callbacks
   (``ab_overhead_pct``; noisy on a shared machine);
 * ``ckpt_block_ms`` / ``lightning_async_block_ms`` / ``lightning_sync_block_ms``: how long
@@ -59,12 +62,34 @@ def _timed(callbacks: list[Any], totals: dict[str, float]) -> None:
                 try:
                     return _f(*args, **kwargs)
                 finally:
+                    cpu = time.thread_time() - c0
                     wall = time.perf_counter() - t0
                     totals["s"] += wall
-                    totals["cpu_s"] += time.thread_time() - c0
-                    totals[_k] = totals.get(_k, 0.0) + time.thread_time() - c0
+                    totals["cpu_s"] += cpu
+                    totals["calls"] = totals.get("calls", 0.0) + 1
+                    totals[_k] = totals.get(_k, 0.0) + cpu
 
             setattr(cb, name, wrapper)
+
+
+def _timer_cost() -> tuple[float, float]:
+    """(CPU s, wall s) the timing wrapper itself adds to one hook call: the same wrapper around
+    an empty hook, measured in the same process (``time.thread_time`` is a system call, several
+    us on a VM, against well under 1 us for ``perf_counter``)."""
+
+    class Empty:
+        def on_train_batch_end(self, *args: Any) -> None:
+            return None
+
+    n, best = 20_000, (float("inf"), float("inf"))
+    for _ in range(3):
+        totals = {"s": 0.0, "cpu_s": 0.0}
+        cb = Empty()
+        _timed([cb], totals)
+        for _ in range(n):
+            cb.on_train_batch_end(None, None, None, None, 0)
+        best = min(best, (totals["cpu_s"] / n, totals["s"] / n))
+    return best
 
 
 def _child_overhead(out: str, steps: int) -> None:
@@ -110,7 +135,10 @@ def _child_overhead(out: str, steps: int) -> None:
         return {k: v / steps for k, v in totals.items()}, statistics.median(gaps)
 
     rounds = [(fit(False), fit(True)) for _ in range(2)]
+    timer_cpu, timer_wall = _timer_cost()
     result = {"rank": int(os.environ["RANK"]),
+              "timer_cpu_s_per_call": timer_cpu, "timer_s_per_call": timer_wall,
+              "calls_per_step": statistics.median(r[1][0]["calls"] for r in rounds),
               "hook_s_per_step": statistics.median(r[1][0]["s"] for r in rounds),
               "hook_cpu_s_per_step": statistics.median(r[1][0]["cpu_s"] for r in rounds),
               "hooks_us": {k: round(v * 1e6, 1) for k, v in rounds[-1][1][0].items()},
@@ -131,12 +159,19 @@ def _overhead(steps: int) -> dict[str, float]:
             raise SystemExit(f"overhead run failed (rc {proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-4000:]}")
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
-    hook = statistics.median(r["hook_s_per_step"] for r in ranks)
-    cpu = statistics.median(r["hook_cpu_s_per_step"] for r in ranks)
+    # the timing wrapper's own cost (measured in the same processes) is not the callbacks'
+    calls = statistics.median(r["calls_per_step"] for r in ranks)
+    timer_cpu = statistics.median(r["timer_cpu_s_per_call"] for r in ranks) * calls
+    timer_wall = statistics.median(r["timer_s_per_call"] for r in ranks) * calls
+    raw_cpu = statistics.median(r["hook_cpu_s_per_step"] for r in ranks)
+    hook = statistics.median(r["hook_s_per_step"] for r in ranks) - timer_wall
+    cpu = raw_cpu - timer_cpu
     with_s = statistics.median(r["step_s_with"] for r in ranks)
     without = statistics.median(r["step_s_without"] for r in ranks)
     print("per-hook CPU us/step, rank 0:", json.dumps(ranks[0]["hooks_us"]), flush=True)
     return {"callback_overhead_pct": 100 * cpu / STEP_S, "callback_cpu_us_per_step": cpu * 1e6,
+            "raw_callback_cpu_us_per_step": raw_cpu * 1e6, "timer_cpu_us_per_step": timer_cpu * 1e6,
+            "hook_calls_per_step": calls,
             "callback_wall_overhead_pct": 100 * hook / STEP_S,
             "callback_us_per_step": hook * 1e6,
             "step_ms_without": without * 1e3, "step_ms_with": with_s * 1e3,

@@ -5,15 +5,17 @@ Configured by ``TG_LT`` (JSON): ``ns`` ("lightning" or "pl"), ``root`` (checkpoi
 take factor x longer), ``every`` (ModelCheckpoint every_n_train_steps), ``kill_after_save``
 ([cycle, n]: rank 0 SIGKILLs itself right after its n-th or a later save returned, with the
 write in flight, once an earlier save is committed),
-``hang`` ([rank, step, cycle]: ``training_step`` sleeps forever), ``raise`` ([rank, step,
-iteration]: ``training_step`` raises at that step or later, once a checkpoint is committed; for
-the in-process recipe, ``inprocess``), ``preempt`` (add the PreemptionCallback), ``calc_after``
-(FaultToleranceCallback.calculate_after_steps), ``sharded`` ("dcp" or "torch": add a
-ShardedCheckpointCallback saving every 5 steps).
+``hang`` ([rank, n, cycle]: ``training_step`` sleeps forever n steps after the cycle's first
+one), ``raise`` ([rank, step, iteration]: ``training_step`` raises at that step or later, once
+a checkpoint is committed; for the in-process recipe, ``inprocess``), ``preempt`` (add the
+PreemptionCallback), ``calc_after`` (FaultToleranceCallback.calculate_after_steps), ``sharded``
+("dcp" or "torch": add a ShardedCheckpointCallback saving every 5 steps), ``in_flight``
+(TrainguardCheckpointIO max_in_flight, default 2).
 
 Every rank appends JSON events to ``root/events/rank<R>.jsonl``: ``start`` (cycle, pid, resumed
 checkpoint, cluster environment, restored FT state), ``step`` (each batch end), ``calculated``,
-``kill``, ``end`` (global step, preemption, straggler reports). The test reads them.
+``saved``, ``committed`` (rank 0's checkpoint plugin), ``kill``, ``end`` (global step,
+preemption, straggler reports). The test reads them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from trainguard.checkpointing import latest
 CFG: dict[str, Any] = json.loads(os.environ["TG_LT"])
 RANK = int(os.environ.get("RANK", "0"))
 CYCLE = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+FIRST_STEP: dict[str, int] = {}  # the global step this process started training at
 
 if CFG["ns"] == "pl":
     import pytorch_lightning as L
@@ -64,8 +67,9 @@ class Model(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         step = int(self.global_step)
+        FIRST_STEP.setdefault("step", step)
         hang = CFG.get("hang")
-        if hang and [RANK, step, CYCLE] == hang:
+        if hang and [RANK, step - FIRST_STEP["step"], CYCLE] == hang:
             event("hang", step=step)
             time.sleep(3600)
         boom = CFG.get("raise")  # once a checkpoint is committed (a resume must have one)
@@ -100,6 +104,10 @@ class KillingIO(tgl.TrainguardCheckpointIO):  # type: ignore[misc,valid-type]
         if kill and kill[0] == CYCLE and KillingIO.saves >= kill[1] and latest(ckpt_dir()):
             event("kill", latest=latest(ckpt_dir()), listing=sorted(os.listdir(ckpt_dir())))
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _commit(self, req: Any, target: str, step: int, seq: int) -> None:
+        super()._commit(req, target, step, seq)
+        event("committed", path=target, step=step)
 
 
 class Recorder(L.Callback):
@@ -140,7 +148,7 @@ def build(iteration: int = 0) -> tuple[Any, list[Any]]:
                                     min_timeout=2.0) if CFG.get("ft", True) else None
     # 2 ranks: the median is the mean, so a 1.3x rank scores about 1.13 against it
     scoring = ScoringConfig(ratio_threshold=1.07, clear_ratio=1.03, floor_ms=1.0, floor_pct=1.0,
-                            consecutive=1, warmup_windows=1)
+                            consecutive=2, warmup_windows=1)
     straggler = tgl.StragglerCallback(window_steps=5, scoring=scoring)
     preempt = tgl.PreemptionCallback() if CFG.get("preempt") else None
     sharded = tgl.ShardedCheckpointCallback(sharded_dir(),
@@ -152,7 +160,11 @@ def build(iteration: int = 0) -> tuple[Any, list[Any]]:
                                   every_n_train_steps=CFG.get("every", 4))]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
-                        max_steps=CFG["max_steps"], callbacks=callbacks, plugins=[KillingIO()],
+                        max_steps=CFG["max_steps"], callbacks=callbacks,
+                        # each cycle's writer process imports torch (10-30 s at load 25): with
+                        # the default 2 saves in flight the 3rd save waited for it, blocking the
+                        # step for longer than the calculated heartbeat timeout
+                        plugins=[KillingIO(max_in_flight=CFG.get("in_flight", 2))],
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, default_root_dir=CFG["root"])
     return trainer, [ft, straggler, preempt, sharded]

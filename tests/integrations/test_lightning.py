@@ -39,7 +39,7 @@ HERE = Path(__file__).parent
 WORKER = str(HERE / "_lightning_rank.py")
 SLURM = {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0",
          "SLURM_LOCALID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "77"}
-HANG_STEP = 18
+HANG_AFTER = 6  # cycle 1 hangs this many steps after its resumed step
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -82,13 +82,13 @@ def _wait_for(root: Path, proc: subprocess.Popen, ready: Any, timeout_s: float) 
 def _run(tmp_path: Path, ns: str) -> tuple[int, str, list[dict], float]:
     """Run the three-cycle scenario; returns (rc, launcher output, events, SIGTERM->exit s)."""
     cfg = {"ns": ns, "root": str(tmp_path), "max_steps": 2000, "step_s": 0.05,
-           "slow": [1, 1.3], "kill_after_save": [0, 2], "hang": [1, HANG_STEP, 1],
+           "slow": [1, 1.3], "kill_after_save": [0, 2], "hang": [1, HANG_AFTER, 1], "in_flight": 64,
            "preempt": True, "calc_after": 4, "every": 4}
     env = {**os.environ, **SLURM, "TG_LT": json.dumps(cfg),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     preload = "pytorch_lightning" if ns == "pl" else "lightning"
     cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--ft-preload", preload, "--ft-safety-factor", "100",
+           "--max-restarts", "2", "--ft-preload", preload, "--ft-safety-factor", "30",
            "--ft-rank-heartbeat-timeout", "60", "--ft-workload-check-interval", "0.1",
            "--monitor-interval", "0.1", "--ft-rank-termination-grace", "1",
            "--log-dir", str(tmp_path / "logs"), "--rdzv-id", "lt", WORKER]
@@ -101,7 +101,10 @@ def _run(tmp_path: Path, ns: str) -> tuple[int, str, list[dict], float]:
             if {e["rank"] for e in steps} != {0, 1}:
                 return False
             flagged = any(e["flagged"] == [1] for e in _find(events, "report", cycle=2))
-            return flagged or max(e["step"] for e in steps) >= 120
+            # SIGTERM once this cycle's writer process is up (a save committed): the exit time
+            # then measures the stop, not a writer importing torch on a loaded machine
+            writing = bool(_find(events, "committed", cycle=2))
+            return writing and (flagged or max(e["step"] for e in steps) >= 120)
 
         events = _wait_for(tmp_path, proc, straggler_seen, LAUNCH_TIMEOUT_S)
         starts = {e["rank"]: e["pid"] for e in _find(events, "start", cycle=2)}
@@ -134,16 +137,17 @@ def _tail(log: Any, n: int = 6000) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 120)
-@pytest.mark.skipif(not os.environ.get("TG_LIGHTNING_E2E"), reason=(
-    "flaky (2 of 4 runs on 2026-12-01): the checkpoint cycle 1 resumes may hold no calculated "
-    "heartbeat timeout yet (calculation skipped as not ready), and cycle 2 once resumed step 8; "
-    "issue 11 stays open until fixed. Run with TG_LIGHTNING_E2E=1"))
 @pytest.mark.parametrize("ns", ["lightning", "pl"])
 def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Path, ns: str):
     _require("pytorch_lightning" if ns == "pl" else "lightning")
     rc, out, events, exit_s = _run(tmp_path, ns)
     print(f"[{ns}] SIGTERM (0.5 s apart) -> launcher exit: {exit_s:.2f} s")
     assert rc == 0, out[-6000:]
+    check_scenario(tmp_path, ns, out, events, exit_s)
+
+
+def check_scenario(tmp_path: Path, ns: str, out: str, events: list[dict], exit_s: float) -> None:
+    """The scenario's assertions on a finished run (also usable on a kept run directory)."""
 
     # Slurm-like environment, yet every rank of every cycle runs in the torchrun environment
     starts = _find(events, "start")
@@ -159,7 +163,8 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
 
     # cycle 1: the hang is caught by the heartbeat timeout calculated in cycle 0 and restored
     # from the checkpoint (the configured timeout is 60 s)
-    assert _find(events, "hang", cycle=1, rank=1, step=HANG_STEP)
+    hung = _find(events, "hang", cycle=1, rank=1)
+    assert [e["step"] for e in hung] == [resumed[0]["global_step"] + HANG_AFTER], hung
     restored = [e["ft_loaded"]["current_timeouts"]["heartbeat"] for e in resumed]
     assert all(h["were_calculated"] for h in restored), restored
     calculated = [e["state"]["current_timeouts"]["heartbeat"]
@@ -172,17 +177,24 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     assert float(hang.group(1)) < 60
     assert abs(float(hang.group(1)) - restored[0]["subsequent"]) < 2.0
     final = _find(events, "start", cycle=2)
-    # cycle 2 resumes a committed checkpoint no older than the one cycle 1 started from (a save
-    # of cycle 1 may still be in flight when the hang is killed; once, in a loaded CI run, cycle
-    # 2 resumed step 8 although cycle 1 passed step 12: see the closing note of that session)
-    assert {e["global_step"] for e in final} == {min(e["global_step"] for e in final)}, final
-    assert min(e["global_step"] for e in final) >= _step_of(kill[0]["latest"])
+    # cycle 2 resumes the newest checkpoint committed before cycle 1 died. Not necessarily
+    # cycle 1's last save: a fresh writer process per cycle (it imports torch) may not have
+    # written it yet, and a write that ends after rank 0's last batch end is never committed
+    # (commits happen on the training thread, which then waits in the all-reduce of the
+    # hung peer) -- a save in flight at the kill is lost by design, never a committed one
+    committed = [e["step"] for e in _find(events, "committed", rank=0) if e["cycle"] <= 1]
+    assert {e["global_step"] for e in final} == {max(committed)}, (final, committed)
     assert all(e["ft_loaded"]["current_timeouts"]["heartbeat"]["were_calculated"] for e in final)
 
-    # cycle 2: the 1.3x slower rank 1 is reported by rank 0
-    reports = _find(events, "report", rank=0)
-    assert any(e["flagged"] == [1] for e in reports), reports
-    assert not any(0 in e["flagged"] for e in reports), reports
+    # cycle 2: the 1.3x slower rank 1 is reported by rank 0. Only cycle 2 counts: in cycle 0
+    # rank 0 also hosts the checkpoint writer process while it imports torch on the same cores,
+    # and on a loaded machine it then really was the slower rank for a few windows
+    # and, when its writer process starts writing, rank 0 again can be slower for a window or
+    # two (seen at load 25): rank 1 must be reported, and more often than rank 0
+    reports = _find(events, "report", rank=0, cycle=2)
+    slow1 = sum(1 in e["flagged"] for e in reports)
+    slow0 = sum(0 in e["flagged"] for e in reports)
+    assert slow1 >= 1 and slow1 > slow0, (slow1, slow0, [e["line"] for e in reports])
 
     # preemption: both ranks stopped after the same step and saved it, committed and loadable
     ends = _find(events, "end", cycle=2)
@@ -191,7 +203,9 @@ def test_lightning_job_survives_kill_hang_straggler_and_preemption(tmp_path: Pat
     path = ends[0]["preempt_path"]
     assert path == ends[1]["preempt_path"]
     assert committed_file_step(path) == ends[0]["preempted"]
-    assert latest(tmp_path / "ckpt") == path
+    # ModelCheckpoint may save the same step too (stop step % every == 0): either file is it
+    newest = latest(tmp_path / "ckpt")
+    assert newest is not None and committed_file_step(newest) == ends[0]["preempted"], newest
     ckpt = torch.load(path, weights_only=False)
     assert ckpt["global_step"] == ends[0]["preempted"]
     assert exit_s < 30, exit_s

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -75,3 +76,25 @@ def test_importing_the_integration_imports_no_framework():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_first_checkpoint_carries_calculated_timeouts():
+    """A restart right after the run's first save must keep the calculated timeouts: they are
+    calculated while that checkpoint is built and replace the entry Lightning collected."""
+    logic = FaultToleranceLogic(calculate_after_steps=1000, min_timeout=0.5)
+    logic.state_key = "FaultToleranceCallback"  # what Lightning's Callback provides
+    logic.active = True  # as after setup under the launcher (no monitor needed here)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace())
+    for batch in range(3):
+        logic.on_train_batch_start(trainer, None, None, batch)
+        time.sleep(0.01)
+        logic.on_train_batch_end(trainer, None, None, None, batch)
+    assert logic.calculations == 0  # the periodic calculation is 1000 steps away
+    checkpoint = {"callbacks": {"FaultToleranceCallback": logic.state_dict()}}
+    assert checkpoint["callbacks"]["FaultToleranceCallback"] == {"current_timeouts": {}}
+    logic.on_save_checkpoint(trainer, None, checkpoint)
+    saved = checkpoint["callbacks"]["FaultToleranceCallback"]["current_timeouts"]["heartbeat"]
+    assert saved["were_calculated"] and saved["subsequent"] >= 0.5, saved
+    assert logic.calculations == 1
+    logic.on_save_checkpoint(trainer, None, checkpoint)  # calculated already: no new collective
+    assert logic.calculations == 1

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainguard._core.logging import get_logger
 
-__all__ = ["active_client", "check_cluster_environment", "checkpoint_section",
-           "poll_checkpoint_io", "set_active_client"]
+__all__ = ["active_client", "check_cluster_environment", "checkpoint_poller",
+           "checkpoint_section", "poll_checkpoint_io", "set_active_client"]
 
 _log = get_logger("trainguard.integrations.lightning")
 _client: Any = None
@@ -48,10 +48,17 @@ def checkpoint_section() -> Iterator[None]:
 
 def poll_checkpoint_io(trainer: Any) -> None:
     """Commit the trainguard checkpoint plugin's finished saves (non-blocking; no collective)."""
-    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
-    poll = getattr(io, "trainguard_poll", None)
+    poll = checkpoint_poller(trainer)
     if poll is not None:
         poll()
+
+
+def checkpoint_poller(trainer: Any) -> Callable[[], None] | None:
+    """The trainguard checkpoint plugin's ``trainguard_poll`` (None: another plugin). The
+    callbacks resolve it once per ``fit`` (the plugin is fixed when the Trainer is built) instead
+    of walking ``trainer.strategy.checkpoint_io`` at every batch end."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    return getattr(io, "trainguard_poll", None)
 
 
 def check_cluster_environment(trainer: Any) -> None:

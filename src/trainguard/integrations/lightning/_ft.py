@@ -7,6 +7,7 @@ Namespace-free: :mod:`trainguard.integrations.lightning` and ``.pl`` combine it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from trainguard._core.logging import get_logger
@@ -14,7 +15,7 @@ from trainguard.errors import ConfigError
 from trainguard.fault_tolerance import MonitorUnavailableError, RankMonitorClient
 from trainguard.integrations.lightning._common import (
     check_cluster_environment,
-    poll_checkpoint_io,
+    checkpoint_poller,
     set_active_client,
 )
 
@@ -34,9 +35,13 @@ class FaultToleranceLogic:
             the longest observed gap, max over ranks; ``--ft-safety-factor``) and keep them in
             this callback's ``state_dict``, so they travel in every checkpoint and apply from the
             first step of a resumed run.
-        calculate_after_steps: training steps (> 0) before the first calculation; it also waits
-            for the first checkpoint save of the run, so the save's pause is part of what is
-            measured. Recalculated every ``calculate_after_steps`` steps after that.
+        calculate_after_steps: recalculation period in training steps (> 0). The first
+            calculation happens while the run's first checkpoint is built (from the gaps seen
+            so far, at least 2 steps), so every checkpoint carries calculated timeouts and a
+            restart right after the first save keeps them; then every ``calculate_after_steps``
+            steps, which brings checkpoint pauses into the measure (merged with the earlier
+            values). Until that recalculation a first save longer than ``min_timeout`` could be
+            taken for a hang: keep ``min_timeout`` above the longest blocking save.
         min_timeout: floor in seconds (> 0) of every calculated timeout. A step of 10 ms gives a
             calculated heartbeat timeout of 50 ms at the default safety factor, which one pause
             of the machine (another job, swapping, a slow file system) would exceed; 30 s by
@@ -81,11 +86,13 @@ class FaultToleranceLogic:
         self._steps = 0
         self._saved = False
         self._loaded_state: dict[str, Any] | None = None
+        self._poll: Callable[[], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self.active:
             return
+        self._poll = checkpoint_poller(trainer)
         try:
             self.client.init_workload_monitoring()
         except MonitorUnavailableError as exc:
@@ -132,7 +139,8 @@ class FaultToleranceLogic:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        poll_checkpoint_io(trainer)
+        if self._poll is not None:
+            self._poll()
         if not self.active:
             return
         client = self.client
@@ -161,7 +169,20 @@ class FaultToleranceLogic:
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any,
                            checkpoint: dict[str, Any]) -> None:
-        self._saved = True  # every rank builds the checkpoint dict at the same point
+        # every rank builds the checkpoint dict at the same point (Trainer.save_checkpoint is
+        # called on all ranks), so the calculation's all-reduce pairs up
+        self._saved = True
+        if not (self.active and self.calculate_timeouts and self._steps >= 2) \
+                or _heartbeat_calculated(self.client.state_dict()):
+            return
+        # the first checkpoint of a run must already carry calculated timeouts: a restart right
+        # after it would otherwise run with the configured ones. Lightning collected the
+        # callbacks' state_dict just before this hook, so the entry is replaced here.
+        self.calculate()
+        states = checkpoint.get("callbacks")
+        key = getattr(self, "state_key", None)
+        if isinstance(states, dict) and key in states:
+            states[key] = self.state_dict()
 
     # -- timeouts ---------------------------------------------------------------------------
     def calculate(self) -> bool:
@@ -192,6 +213,11 @@ class FaultToleranceLogic:
     def loaded_state(self) -> dict[str, Any] | None:
         """What the last :meth:`load_state_dict` received (None: nothing was restored)."""
         return self._loaded_state
+
+
+def _heartbeat_calculated(state: dict[str, Any]) -> bool:
+    hb = state.get("current_timeouts", {}).get("heartbeat")
+    return isinstance(hb, dict) and bool(hb.get("were_calculated"))
 
 
 def _floor(state: dict[str, Any], minimum: float) -> dict[str, Any]:

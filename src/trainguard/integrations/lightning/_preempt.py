@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from trainguard._core.logging import get_logger
 from trainguard.errors import ConfigError
-from trainguard.integrations.lightning._common import poll_checkpoint_io
+from trainguard.integrations.lightning._common import checkpoint_poller
 
 __all__ = ["PreemptionLogic"]
 
@@ -84,6 +85,10 @@ class PreemptionLogic:
         self._steps = 0
         self._group: Any = None
         self._pending: Any = None  # (work, tensor) of the all-reduce started at the last check
+        self._poll: Callable[[], None] | None = None
+        self._flags: list[Any] = []
+        self._turn = 0
+        self._opts: Any = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.requested:  # a flag only: no I/O, no collective, no allocation of note
@@ -94,9 +99,15 @@ class PreemptionLogic:
         import torch.distributed as dist
 
         self._steps, self._pending, self._group = 0, None, None
+        self._poll = checkpoint_poller(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            import torch
+
             self._group = dist.new_group(backend="gloo",
                                          timeout=timedelta(seconds=self.group_timeout))
+            self._flags = [torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)]
+            self._opts = dist.AllreduceOptions()
+            self._opts.reduceOp = dist.ReduceOp.MAX
         for sig in self.signals:
             previous = signal.signal(sig, self._on_signal)
             self._previous.setdefault(sig, previous)
@@ -119,7 +130,8 @@ class PreemptionLogic:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        poll_checkpoint_io(trainer)
+        if self._poll is not None:
+            self._poll()
         self._steps += 1
         if self._steps % self.check_every_n_steps or self.preempted_at_step is not None:
             return
@@ -142,18 +154,19 @@ class PreemptionLogic:
         without a process group, this rank's flag now."""
         if self._group is None:
             return self.requested
-        import torch
-        import torch.distributed as dist
-
         decided = False
         if self._pending is not None:
             work, flag = self._pending
             work.wait()  # started a check ago on every rank: normally already complete
             decided = bool(flag.item())
         if not decided:
-            flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-            self._pending = (work, flag)
+            # two preallocated flags used in turn (the other may be the one just read); the
+            # process group's own allreduce: no c10d Python wrapper, and a straggler detector's
+            # collective timing (it wraps torch.distributed.all_reduce) does not count it
+            self._turn ^= 1
+            flag = self._flags[self._turn]
+            flag.fill_(1 if self.requested else 0)
+            self._pending = (self._group.allreduce([flag], self._opts), flag)
         else:
             self._pending = None
         return decided

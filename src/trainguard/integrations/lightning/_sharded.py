@@ -10,6 +10,7 @@ optimizer state are saved shard by shard and can be reloaded on another world si
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,7 @@ from trainguard.errors import ConfigError
 __all__ = ["ShardedCheckpointLogic"]
 
 _log = get_logger("trainguard.integrations.lightning")
+_LOOPS = "lightning_fit_loop"
 
 
 class ShardedCheckpointLogic:
@@ -32,9 +34,13 @@ class ShardedCheckpointLogic:
         format: ``"dcp"`` (sharded, reshardable; default) or ``"torch"`` (one file per rank,
             node-local style; same world size to load).
         keep_last: committed checkpoints kept (>= 1).
-        resume: at ``on_train_start`` load the newest committed step into the module and its
-            optimizers (``resumed_step`` holds it; Lightning's loop counters are not restored:
-            use ``Trainer.fit(ckpt_path=...)`` with ``TrainguardCheckpointIO`` for those).
+        resume: load the newest committed step (``resumed_step`` holds it). Without
+            ``Trainer.fit(ckpt_path=...)``: at ``on_fit_start`` the module, its optimizers and
+            Lightning's loop counters (global step, epoch, batch index: the ``fit_loop`` state
+            saved with the shard, restored through ``trainer.fit_loop.load_state_dict`` as
+            Lightning restores its own checkpoints), so training continues at the saved step.
+            With ``ckpt_path``: that checkpoint gives the loop counters and this callback loads
+            only the module and optimizers, at ``on_train_start``.
         write_timeout: see :class:`~trainguard.checkpointing.AsyncCheckpointer`.
 
     Raises:
@@ -64,6 +70,8 @@ class ShardedCheckpointLogic:
         self.checkpointer: AsyncCheckpointer | None = None
         self.resumed_step: int | None = None
         self.saved_steps: list[int] = []
+        self._done_resume = False
+        self._warned = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and self.checkpointer is None:
@@ -71,13 +79,26 @@ class ShardedCheckpointLogic:
                                                   keep_last=self.keep_last,
                                                   write_timeout=self.write_timeout)
 
-    def _state(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+    def _state(self, trainer: Any, pl_module: Any, loops: str = "") -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optim = get_state_dict(pl_module, list(trainer.optimizers))
-        return {"model": model, "optim": optim}
+        # the loop counters travel as one JSON string (a DCP non-tensor item; "" as template)
+        return {"model": model, "optim": optim, _LOOPS: loops}
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # before Lightning's restore_training_state and fit_loop.run (which resets the loops
+        # from restored progress); with ckpt_path, Lightning restores the loops itself
+        self._done_resume = False
+        if getattr(trainer, "ckpt_path", None) is None:
+            self._load(trainer, pl_module, with_loops=True)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self._done_resume:
+            self._load(trainer, pl_module, with_loops=False)
+
+    def _load(self, trainer: Any, pl_module: Any, with_loops: bool) -> None:
+        self._done_resume = True
         if not self.resume or self.checkpointer is None:
             return
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -95,7 +116,11 @@ class ShardedCheckpointLogic:
         set_state_dict(pl_module, list(trainer.optimizers), model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.resumed_step = int(step)
-        _log.info("resumed model and optimizer state from step %d", step)
+        loops = state.get(_LOOPS) if with_loops else None
+        if loops:
+            trainer.fit_loop.load_state_dict(json.loads(loops))
+        _log.info("resumed model and optimizer state%s from step %d",
+                  " and loop counters" if loops else "", step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -105,8 +130,18 @@ class ShardedCheckpointLogic:
         ckpt.maybe_finalize()
         step = int(trainer.global_step)
         if step > 0 and step % self.every_n_train_steps == 0 and step not in self.saved_steps:
-            ckpt.save(self._state(trainer, pl_module), step)
+            ckpt.save(self._state(trainer, pl_module, self._loops_json(trainer)), step)
             self.saved_steps.append(step)
+
+    def _loops_json(self, trainer: Any) -> str:
+        try:
+            return json.dumps(trainer.fit_loop.state_dict())
+        except (TypeError, ValueError) as exc:  # e.g. a stateful dataloader's custom state
+            if not self._warned:
+                self._warned = True
+                _log.warning("loop counters not saved with the sharded checkpoint (%s); a "
+                             "resume restarts Lightning's loops at step 0", exc)
+            return ""
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         ckpt, self.checkpointer = self.checkpointer, None
