@@ -38,7 +38,7 @@ EXIT_STORE_LOST = 75
 SLACK_S = 3.0  # scheduling slack on a loaded 2-core CI machine, added to every bound
 FAST = ["--monitor-interval", "0.05", "--ft-workload-check-interval", "0.05",
         "--ft-workers-stop-timeout", "2", "--ft-rank-termination-grace", "0.5",
-        "--ft-attribution", "false", "--ft-warm-restart", "false"]
+        "--ft-attribution", "false"]
 _PORTS = iter(range(29610, 29700))
 
 

@@ -10,6 +10,11 @@
 * Python stacks on demand: ``faulthandler`` is registered for :data:`STACKS_SIGNAL` (dumps every
   thread's stack to stderr, i.e. the rank's log, without needing the GIL); the slot records it
   so the monitor only sends that signal to ranks that can handle it.
+* ``torch.distributed.destroy_process_group`` is guarded (``_core.pg_guard``; installed when the
+  script imports torch.distributed, at once in a forked worker): the groups it destroys are
+  freed later, never by the script's last reference to a DDP model, whose gloo group destructor
+  can deadlock on the GIL (seen: a forked rank stuck in ``std::thread::join`` after its script
+  returned, 1 rank of 6 in the simulated-node tests).
 * Then the script runs as ``python script.py`` / ``python -m module`` would run it, with
   ``sys.argv`` exactly as given; ``--no-python`` execs the command instead.
 
@@ -28,6 +33,8 @@ import sys
 import threading
 import time
 import traceback
+
+from trainguard._core import pg_guard
 
 __all__ = ["STACKS_SIGNAL", "run_worker", "set_pdeathsig"]
 
@@ -133,6 +140,7 @@ def run_worker(mode: str, target: str, args: list[str]) -> int:
         except OSError as exc:
             print(f"trainguard launch: cannot exec {target!r}: {exc}", file=sys.stderr)
             return 127
+    pg_guard.install_when_imported()
     try:
         sys.argv = [target, *args]
         if mode == "module":  # as python -m: sys.path[0] is the working directory
