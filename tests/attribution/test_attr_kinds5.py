@@ -141,3 +141,60 @@ def test_q01_container_prompt_host():
     category, decision, _, nodes = _got(HELD5 / "q01.log")
     assert (category, decision, nodes) == ("gpu_hardware", "RESTART_EXCLUDE_NODES",
                                            ["7c1d52a9e0f4"])
+
+
+# ------------------------------------------------------------ breadth (issue 12, round 6)
+# Other common wordings of the weakest pairs (completed vs in_progress, config_error vs
+# code_exception, network vs framework_crash), each a kind the earlier rounds did not cover.
+@pytest.mark.parametrize("tail", [
+    # HF Trainer's log_metrics table at the end of train()
+    ("***** train metrics *****\n  epoch                    =        3.0\n"
+     "  train_loss               =     0.4321\n  train_runtime            = 0:12:34.56\n"),
+    "Finished training!\n",
+    "Training is complete.\n",
+    "INFO: training done\n",
+])
+def test_more_completion_wordings(write_log, tail):
+    assert _got(write_log(_STEPS + tail))[:2] == ("completed", "STOP")
+
+
+def test_a_training_done_line_before_a_crash_is_not_completion(write_log):
+    text = _STEPS + "Training is complete.\nRuntimeError: CUDA out of memory.\n"
+    assert _got(write_log(text))[0] != "completed"
+
+
+@pytest.mark.parametrize("line", [
+    ("NCCL WARN socketStartConnect: Connect to 10.0.0.2<43210> failed : Software caused "
+     "connection abort\n"),
+    "NCCL WARN socketProgressOpt: Call to recv from 10.1.2.3<5123> failed : Broken pipe\n",
+])
+def test_nccl_socket_warnings_are_network(write_log, line):
+    assert _got(write_log(_STEPS + "node-3:812:901 [2] misc/socket.cc:484 " + line))[:2] == \
+        ("network", "RESTART")
+
+
+@pytest.mark.parametrize("line", [
+    ("ValueError: Error initializing torch.distributed using env:// rendezvous: environment "
+     "variable RANK expected, but not set\n"),
+    "KeyError: 'Environment variable MASTER_ADDR is not set'\n",
+    "RuntimeError: CUDA error: invalid device ordinal\n",
+    "RuntimeError: Distributed package doesn't have NCCL built in\n",
+    ("ValueError: Your setup doesn't support bf16/gpu. You need torch>=1.10, using Ampere GPU "
+     "with cuda>=11.0\n"),
+    "ValueError: Tensor parallel size (4) must be less than or equal to the number of GPUs (2)\n",
+    ("ValueError: The number of required GPUs exceeds the total number of available GPUs in "
+     "the placement group.\n"),
+    "ValueError: Please specify `target_modules` in `peft_config`\n",
+    "yaml.scanner.ScannerError: mapping values are not allowed here\n",
+])
+def test_launch_setup_wordings_are_config(write_log, line):
+    assert _got(write_log(_STEPS + line))[:2] == ("config_error", "STOP")
+
+
+@pytest.mark.parametrize("line", [
+    "KeyError: 'input_ids'\n",
+    "RuntimeError: CUDA error: device-side assert triggered\n",
+    "ValueError: not enough values to unpack (expected 3, got 2)\n",
+])
+def test_ordinary_exceptions_stay_code(write_log, line):
+    assert _got(write_log(_STEPS + line))[0] == "code_exception"
