@@ -73,6 +73,20 @@ def test_nccl_internal_error_without_a_net_detail_stays_a_crash(write_log):
     assert _got(write_log(text))[0] == "framework_crash"
 
 
+def test_a_peer_that_died_of_its_own_error_stays_the_root(write_log):
+    """The socket closed because rank 1 crashed: its exception, tied to the failed exit, wins."""
+    text = (_STEPS + "[rank1]: KeyError: 'labels'\n"
+            "[rank0]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1275,"
+            " internal error, NCCL version 2.14.3\n[rank0]: ncclInternalError: Internal check "
+            "failed.\n[rank0]: Last error:\n[rank0]: Net : Connection closed by remote peer "
+            "node-2<50260>\n"
+            "E1031 11:02:32.640000 2841733 torch/distributed/elastic/multiprocessing/api.py:833] "
+            "failed (exitcode: 1) local_rank: 1 (pid: 2841804) of binary: /usr/bin/python\n"
+            "Root Cause (first observed failure):\n[0]:\n  host      : node-2\n"
+            "  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 2841804)\n")
+    assert _got(write_log(text))[:3] == ("code_exception", "STOP", [1])
+
+
 def test_q13_lightning_connection_closed():
     """Category and decision; the ranks/nodes differ by convention (``test_attr_corpus.py``)."""
     assert _got(HELD5 / "q13.log")[:2] == ("network", "RESTART")
@@ -166,7 +180,9 @@ def test_a_training_done_line_before_a_crash_is_not_completion(write_log):
 @pytest.mark.parametrize("line", [
     ("NCCL WARN socketStartConnect: Connect to 10.0.0.2<43210> failed : Software caused "
      "connection abort\n"),
-    "NCCL WARN socketProgressOpt: Call to recv from 10.1.2.3<5123> failed : Broken pipe\n",
+    # nccl-tests#166 wording of a connect that timed out (NCCL 2.18)
+    "NCCL WARN socketPollConnect: Connect to 10.1.2.3<5123> returned 110(Connection timed out)"
+    " errno 110\n",
 ])
 def test_nccl_socket_warnings_are_network(write_log, line):
     assert _got(write_log(_STEPS + "node-3:812:901 [2] misc/socket.cc:484 " + line))[:2] == \
@@ -178,6 +194,9 @@ def test_nccl_socket_warnings_are_network(write_log, line):
      "variable RANK expected, but not set\n"),
     "KeyError: 'Environment variable MASTER_ADDR is not set'\n",
     "RuntimeError: CUDA error: invalid device ordinal\n",
+    # the pre-1.8 wording (HRNet/HRNet-Semantic-Segmentation#171)
+    ("RuntimeError: cuda runtime error (10) : invalid device ordinal at "
+     "/pytorch/torch/csrc/cuda/Module.cpp:33\n"),
     "RuntimeError: Distributed package doesn't have NCCL built in\n",
     ("ValueError: Your setup doesn't support bf16/gpu. You need torch>=1.10, using Ampere GPU "
      "with cuda>=11.0\n"),
