@@ -167,6 +167,7 @@ def test_q01_container_prompt_host():
     "Finished training!\n",
     "Training is complete.\n",
     "INFO: training done\n",
+    "2024-05-01 10:00:00 | INFO | Run finished successfully\n",
 ])
 def test_more_completion_wordings(write_log, tail):
     assert _got(write_log(_STEPS + tail))[:2] == ("completed", "STOP")
@@ -181,8 +182,9 @@ def test_a_training_done_line_before_a_crash_is_not_completion(write_log):
     ("NCCL WARN socketStartConnect: Connect to 10.0.0.2<43210> failed : Software caused "
      "connection abort\n"),
     # nccl-tests#166 wording of a connect that timed out (NCCL 2.18)
-    "NCCL WARN socketPollConnect: Connect to 10.1.2.3<5123> returned 110(Connection timed out)"
-    " errno 110\n",
+    ("NCCL WARN socketPollConnect: Connect to 10.1.2.3<5123> returned 110(Connection timed "
+     "out) errno 110\n"),
+    "NCCL WARN Net : Call to recv from 10.0.0.2<33213> failed : Connection refused\n",
 ])
 def test_nccl_socket_warnings_are_network(write_log, line):
     assert _got(write_log(_STEPS + "node-3:812:901 [2] misc/socket.cc:484 " + line))[:2] == \
@@ -205,6 +207,11 @@ def test_nccl_socket_warnings_are_network(write_log, line):
      "the placement group.\n"),
     "ValueError: Please specify `target_modules` in `peft_config`\n",
     "yaml.scanner.ScannerError: mapping values are not allowed here\n",
+    "ValueError: fp16 mixed precision requires a GPU (not 'mps').\n",
+    "ValueError: Expected a cuda device, but got: cpu\n",
+    "ValueError: Unknown scheduler type: cosine_with_warmup\n",
+    "KeyError: 'Unknown optimizer: adamw8bit'\n",
+    "AssertionError: Invalid dataset config: missing key 'path'\n",
 ])
 def test_launch_setup_wordings_are_config(write_log, line):
     assert _got(write_log(_STEPS + line))[:2] == ("config_error", "STOP")
@@ -214,6 +221,9 @@ def test_launch_setup_wordings_are_config(write_log, line):
     "KeyError: 'input_ids'\n",
     "RuntimeError: CUDA error: device-side assert triggered\n",
     "ValueError: not enough values to unpack (expected 3, got 2)\n",
+    "ValueError: Attempting to unscale FP16 gradients.\n",
+    "KeyError: 'unknown_token'\n",
+    "ValueError: Invalid shape for input tensor\n",
 ])
 def test_ordinary_exceptions_stay_code(write_log, line):
     assert _got(write_log(_STEPS + line))[0] == "code_exception"
