@@ -227,3 +227,18 @@ def test_launch_setup_wordings_are_config(write_log, line):
 ])
 def test_ordinary_exceptions_stay_code(write_log, line):
     assert _got(write_log(_STEPS + line))[0] == "code_exception"
+
+
+def test_an_mlx5_completion_error_is_network(write_log):
+    """The mlx5 driver's CQE dump (UCX/NCCL over InfiniBand); the driver's name is no host."""
+    text = _STEPS + "mlx5: gpu-b12: got completion with error:\n00000000 00000000 00000000\n"
+    category, decision, _, nodes = _got(write_log(text))
+    assert (category, decision) == ("network", "RESTART") and "mlx5" not in (nodes or []), nodes
+
+
+@pytest.mark.parametrize("line", [
+    "ValueError: Cannot find the config file: configs/train.yaml\n",
+    "RuntimeError: Could not find checkpoint at /ckpt/last\n",
+])
+def test_cannot_find_a_file_is_missing_path(write_log, line):
+    assert _got(write_log(_STEPS + line))[:2] == ("missing_path", "STOP")
