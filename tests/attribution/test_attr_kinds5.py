@@ -168,6 +168,14 @@ def test_q01_container_prompt_host():
     "Training is complete.\n",
     "INFO: training done\n",
     "2024-05-01 10:00:00 | INFO | Run finished successfully\n",
+    # detectron2's IterationTimer at the end of train()
+    ("[12/01 10:00:00 d2.engine.hooks]: Overall training speed: 89998 iterations in 9:01:02 "
+     "(0.3609 s / it)\n[12/01 10:00:00 d2.engine.hooks]: Total training time: 9:12:45 "
+     "(0:11:43 on hooks)\n"),
+    ("2024-01-01 10:00:00 | INFO | yolox.core.trainer:203 - Training of experiment is done and "
+     "the best AP is 40.12\n"),
+    "*** Best metric: 80.123 (epoch 299)\n",  # timm's train.py
+    "Training time 1 day, 2:03:04\n",  # DeiT / MAE main loops
 ])
 def test_more_completion_wordings(write_log, tail):
     assert _got(write_log(_STEPS + tail))[:2] == ("completed", "STOP")
