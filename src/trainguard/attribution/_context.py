@@ -45,7 +45,7 @@ _SYSLOG = re.compile(
 #: a rank named in the body: ``[Rank 3]``, ``[PG 0 Rank 3]``, ``[PG ID 0 PG GUID 0 Rank 3]``; a
 #: rank in another process group than the default one (PG ID > 0) is local to that group
 _INLINE_RANK = re.compile(r"\[(?:PG (?:ID )?(\d+)[^\]]*?)?[Rr]ank (\d+)\]")
-_NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug)\d*$", re.IGNORECASE)
+_NOT_HOSTS = re.compile(r"^(?:rank|default|pg|info|warning|error|debug|mlx)\d*$", re.IGNORECASE)
 _SEVERITY = re.compile(r"(?:^|[\s\[|(])(INFO|WARNING|WARN|DEBUG|ERROR|CRITICAL)(?=[\]|:\s])")
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} [\d:.]+ ")
 _NCCL_SEV = re.compile(r"\bNCCL (INFO|WARN)\b")
