@@ -283,7 +283,8 @@ def main() -> int:
             ("dev_set", "corpus", "dev"), ("test_set", "corpus", "test"),
             ("fresh_set", "fresh", "fresh"), ("heldout_set", "heldout", "heldout"),
             ("heldout2_set", "heldout2", "heldout2"), ("heldout3_set", "heldout3", "heldout3"),
-            ("heldout4_set", "heldout4", "heldout4"), ("heldout5_set", "heldout5", "heldout5"))}
+            ("heldout4_set", "heldout4", "heldout4"), ("heldout5_set", "heldout5", "heldout5"),
+            ("heldout6_set", "heldout6", "heldout6"))}
         sets["heldout_unshared_set"] = bench_accuracy("heldout", "heldout", unshared=True)
         svc_s = bench_service(tmp, args.repeat)
     finally:

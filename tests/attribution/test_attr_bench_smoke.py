@@ -19,7 +19,8 @@ KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "de
         "heldout2_set_decision_accuracy", "heldout3_set_category_accuracy",
         "heldout3_set_decision_accuracy", "heldout4_set_category_accuracy",
         "heldout4_set_decision_accuracy", "heldout5_set_category_accuracy",
-        "heldout5_set_decision_accuracy", "log_mb_per_s_min", "log_mb_per_s_max"]
+        "heldout5_set_decision_accuracy", "heldout6_set_category_accuracy",
+        "heldout6_set_decision_accuracy", "log_mb_per_s_min", "log_mb_per_s_max"]
 
 
 @pytest.mark.timeout(120)
@@ -43,8 +44,9 @@ def test_bench_attribution_smoke():
     assert figures["heldout_set_size"] >= 30 and figures["engine_runs"] == 1
     assert figures["heldout2_set_size"] == 36 and figures["heldout3_set_size"] == 34
     assert figures["heldout4_set_size"] == 35 and figures["heldout5_set_size"] == 38
+    assert figures["heldout6_set_size"] == 44
     # issue 12's target, after fixes
     for name in ("heldout_set", "heldout2_set", "heldout3_set", "heldout4_set", "heldout5_set",
-                 "fresh_set"):
+                 "heldout6_set", "fresh_set"):
         assert figures[f"{name}_category_accuracy"] >= 0.9, figures
         assert figures[f"{name}_decision_accuracy"] >= 0.9, figures

@@ -257,3 +257,49 @@ def test_fifth_held_apart_set_is_what_the_issue_asks():
                                       "heldout3", "heldout4")
                for lb in json.loads((DATA / d / "labels.json").read_text())}
     assert not earlier & {lb["source"] for lb in labels}
+
+
+# heldout6 (seventh round): scored once on the rules after the fixes of rounds 2-6 (main at
+# 581314b): category 0.955 (42/44), decision 0.932 (41/44) -- issue 12's held-apart figure.
+# Its misses are kept as they were scored, so a change that fixes one must move it out of this
+# table (and say the set is no longer held apart), and a change that breaks another log fails.
+_HELD6_MISSES = {
+    "r25.log": "config_error read as code_exception (a DeepSpeed batch-size assert)",
+    "r26.log": "in_progress read as unknown/RESTART (torch.distributed.launch, no exit line)",
+    "r33.log": "gpu_hardware right, but no node to exclude (RESTART)",
+    "r41.log": "node_failure right, but the Ray node not named (RESTART)",
+}
+_HELD6 = json.loads((DATA / "heldout6" / "labels.json").read_text())
+
+
+def test_sixth_held_apart_set_scores_as_recorded():
+    """Issue 12's target on logs the rules were not written against: >= 90 % category and
+    decision on heldout6, and exactly the recorded misses."""
+    misses, cat, dec = set(), 0, 0
+    for lb in _HELD6:
+        got = analyze_logs([DATA / "heldout6" / lb["file"]]).to_dict()
+        ok_cat = got["primary_category"] == lb["primary_category"]
+        ok_dec = got["decision"] == lb["decision"]
+        cat += ok_cat
+        dec += ok_dec
+        if not (ok_cat and ok_dec):
+            misses.add(lb["file"])
+    assert misses == set(_HELD6_MISSES), sorted(misses ^ set(_HELD6_MISSES))
+    assert cat / len(_HELD6) >= 0.9 and dec / len(_HELD6) >= 0.9, (cat, dec)
+
+
+def test_sixth_held_apart_set_is_what_the_issue_asks():
+    """heldout6: 44 logs, two labelling passes, every category, and no report that an earlier
+    set already used."""
+    second = json.loads((DATA / "heldout6" / "labels_second.json").read_text())
+    assert len(_HELD6) == 44 and {lb["split"] for lb in _HELD6} == {"heldout6"}
+    assert {lb["primary_category"] for lb in _HELD6} == set(CATEGORIES)
+    launchers = {lb["launcher"] for lb in _HELD6}
+    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun-l",
+                 "mpirun", "ray", "lightning", "accelerate", "submitit"):
+        assert need in launchers, need
+    assert sorted(s["file"] for s in second) == sorted(lb["file"] for lb in _HELD6)
+    earlier = {lb["source"] for d in ("logs", "corpus", "fresh", "heldout", "heldout2",
+                                      "heldout3", "heldout4", "heldout5")
+               for lb in json.loads((DATA / d / "labels.json").read_text())}
+    assert not earlier & {lb["source"] for lb in _HELD6}
