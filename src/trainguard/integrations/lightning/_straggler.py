@@ -29,12 +29,15 @@ class StragglerLogic:
         window_steps: training steps per scored window (>= 1).
         report_time_interval: seconds between reports (0: every scored window).
         scoring: thresholds (:class:`~trainguard.straggler.ScoringConfig`).
-        log_metrics: log ``straggler/...`` metrics (step time, worst ratio, straggler count)
-            to the Trainer's loggers (``Logger.log_metrics``, at the trainer's global step) on
-            rank 0 at each report. Not through ``pl_module.log_dict``: one ``log_dict`` costs
-            ~1 ms of Lightning bookkeeping (about 75 % of this callback's per-step cost at a
-            20-step window), and its keys stay in the step results, adding to every later
-            step; the metrics therefore are not in ``trainer.callback_metrics``.
+        log_metrics: where the ``straggler/...`` metrics (step time, worst ratio, straggler
+            count) go on rank 0 at each report. ``True`` or ``"loggers"`` (default): the
+            Trainer's loggers (``Logger.log_metrics``, at the trainer's global step); they are
+            then not in ``trainer.callback_metrics``. ``"log_dict"``: through
+            ``pl_module.log_dict(on_step=True, on_epoch=False, rank_zero_only=True)``, so they
+            are in ``trainer.callback_metrics`` too (for ``ModelCheckpoint(monitor=...)`` or
+            ``EarlyStopping``); one ``log_dict`` costs ~1 ms of Lightning bookkeeping, about
+            75 % of this callback's per-step cost at a 20-step window, which is why it is not
+            the default. ``False``: no metrics.
         stop_if_detected: stop training gracefully when a straggler is reported: every
             ``stop_check_interval`` steps all ranks agree (one boolean all-reduce through
             ``strategy.reduce_boolean_decision``) and then set ``trainer.should_stop`` at that
@@ -64,7 +67,7 @@ class StragglerLogic:
     """
 
     def __init__(self, *, window_steps: int = 20, report_time_interval: float = 0.0,
-                 scoring: ScoringConfig | None = None, log_metrics: bool = True,
+                 scoring: ScoringConfig | None = None, log_metrics: bool | str = True,
                  stop_if_detected: bool = False, stop_check_interval: int | None = None,
                  on_report: Callable[[Report], None] | None = None,
                  detector_kwargs: dict[str, Any] | None = None,
@@ -82,7 +85,10 @@ class StragglerLogic:
         self.window_steps = window_steps
         self.report_time_interval = float(report_time_interval)
         self.scoring = scoring
-        self.log_metrics = bool(log_metrics)
+        if log_metrics not in (True, False, "loggers", "log_dict"):
+            raise ConfigError(f"log_metrics must be True, False, 'loggers' or 'log_dict', got "
+                              f"{log_metrics!r}")
+        self.log_metrics: bool | str = "loggers" if log_metrics is True else log_metrics
         self.stop_if_detected = bool(stop_if_detected)
         self.stop_check_interval = interval
         self.on_report = on_report
@@ -190,15 +196,19 @@ class StragglerLogic:
             _log.warning("straggler report: %s", report.summary_line())
         if self.on_report is not None:
             self.on_report(report)
-        loggers = trainer.loggers if self.log_metrics and not report.warmup else None
-        if loggers:  # reports exist on global rank 0 only
-            ratios = [s.ratio for s in report.stragglers]
-            metrics = {"straggler/step_ms_median": float(report.step_ms_median),
-                       "straggler/count": float(len(report.stragglers)),
-                       "straggler/worst_ratio": float(max(ratios, default=1.0))}
-            step = int(trainer.global_step)
-            for logger in loggers:
-                logger.log_metrics(metrics, step=step)
+        if not self.log_metrics or report.warmup:  # reports exist on global rank 0 only
+            return
+        ratios = [s.ratio for s in report.stragglers]
+        metrics = {"straggler/step_ms_median": float(report.step_ms_median),
+                   "straggler/count": float(len(report.stragglers)),
+                   "straggler/worst_ratio": float(max(ratios, default=1.0))}
+        if self.log_metrics == "log_dict":
+            trainer.lightning_module.log_dict(metrics, on_step=True, on_epoch=False,
+                                              rank_zero_only=True, batch_size=1)
+            return
+        step = int(trainer.global_step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
 
 def _hook_ddp(model: Any, mode: bool | str) -> bool:
