@@ -6,6 +6,8 @@ Recognised prefixes, outermost first (each optional; several may stack):
 * a syslog/journal date or an mpirun ``--timestamp-output`` date;
 * a stream tag (``stdout: `` / ``stderr: ``), as ``accelerate test`` and other subprocess
   wrappers print their child's output;
+* the trainguard launcher's ``{node}:{rank}: `` (``node07:1: ``, ``gpu-a.example.org:3: ``,
+  ``10.0.0.2:0: ``): node and global rank; its own records use ``{node}:launcher: `` (node only);
 * ``srun -l`` task (``3: ``), mpirun ``--tag-output`` (``[1,30]<stderr>:``), pdsh/DeepSpeed
   multi-node host (``10.0.0.2: `` or ``node-01: ``), node (``[node-01] ``), Ray
   (``(RayTrainWorker pid=12, ip=10.0.0.3) ``);
@@ -30,6 +32,13 @@ __all__ = ["LineContext", "parse_prefix", "severity"]
 #: ``kubectl logs --prefix``: ``[pod/<pod>/<container>] `` (the pod stands for its node)
 _K8S = re.compile(r"^\[pod/([\w.-]+)/[\w.-]+\] ?")
 _STREAM = re.compile(r"^(?:stdout|stderr): ?")
+#: ``trainguard launch``'s cycle log: ``{node}:{rank}: `` per worker line, ``{node}:launcher: ``
+#: for the launcher's own records (see ``trainguard.fault_tolerance._logs``); a relative source
+#: path (``train.py:12: UserWarning``) is not a host
+_TG_LAUNCH = re.compile(
+    r"^(\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z][\w-]*(?:\.[A-Za-z][\w-]*)*):(\d{1,6}|launcher): ")
+_SOURCE_EXT = re.compile(r"\.(?:py|pyx|pyi|c|cc|cpp|cxx|h|hpp|cu|cuh|rs|go|java|sh|so|txt|log)$",
+                         re.IGNORECASE)
 _SRUN = re.compile(r"^\s{0,3}(\d{1,6}): ")
 _MPI = re.compile(r"^(?:[A-Z][a-z]{2} [A-Z][a-z]{2} +\d+ [\d:]+ \d{4})?\[\d+,(\d+)\]<std\w+>:\s?")
 _PDSH = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z][\w-]*\d[\w-]*): (?=\S)")
@@ -65,7 +74,8 @@ class LineContext:
 
 
 def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, str]:
-    """Strip the launcher prefixes (srun, mpirun, pdsh, node, Ray); (task, rank, node, pid)."""
+    """Strip the launcher prefixes (trainguard, srun, mpirun, pdsh, node, Ray); (task, rank,
+    node, pid)."""
     task = rank = pid = None
     node = None
     m = _K8S.match(text)
@@ -74,6 +84,11 @@ def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, s
     m = _STREAM.match(text)
     if m:
         text = text[m.end():]
+    m = _TG_LAUNCH.match(text)
+    if m and not _SOURCE_EXT.search(m.group(1)) and not _NOT_HOSTS.match(m.group(1)):
+        node, text = m.group(1), text[m.end():]
+        if m.group(2) != "launcher":
+            rank = int(m.group(2))
     m = _MPI.match(text)
     if m:
         rank, text = int(m.group(1)), text[m.end():]

@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from trainguard.fault_tolerance._attr_record import append_record
 from trainguard.fault_tolerance._cycle import CycleResult, Outcome
 
 if TYPE_CHECKING:
@@ -90,6 +91,11 @@ def after_failure(launcher: Launcher, res: CycleResult) -> int | None:
     root = res.root_cause
     if root is not None:
         _log.error("cycle %d failed: rank %d %s", res.cycle, root.rank, root.detail)
+    try:  # what the launcher knows (exit codes, signals, hangs) goes into what attribution reads
+        append_record(os.path.join(launcher.run_dir, f"cycle_{res.cycle}.log"), launcher.node,
+                      res, launcher.hang_events)
+    except OSError as exc:
+        _log.warning("cycle %d: cannot append the launcher record: %s", res.cycle, exc)
     if ft.attribution_stop_action == "no-restart":
         res.verdict = _attribute(launcher, res)  # the restart decision waits for the verdict
     else:  # only logged: never delay the restart for it

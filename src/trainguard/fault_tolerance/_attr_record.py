@@ -1,0 +1,73 @@
+"""The launcher's own failure record for one cycle, appended to the cycle log for attribution.
+
+The workers' output says nothing when a rank is SIGKILLed or stopped as hung; the launcher
+knows. After a failed cycle it appends one line per failed rank to ``cycle_<N>.log``, with the
+prefix ``{node}:launcher: `` (the analyser's prefix layer takes the node from it and no rank)::
+
+    node07:launcher: trainguard launcher: cycle 0: rank 1 exited with exitcode 1
+    node07:launcher: trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL)
+    node07:launcher: trainguard launcher: cycle 0: rank 1 killed as hung after 5 s (heartbeat: ...)
+
+``trainguard.attribution``'s registry reads these rows (``trainguard_rank_exit``,
+``trainguard_rank_signal``, ``trainguard_rank_hung``). Follows: torchelastic's per-rank failure
+summary (``ChildFailedError``), one line per rank instead of a table.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainguard.fault_tolerance._cycle import CycleResult, Failure
+
+__all__ = ["append_record", "record_lines"]
+
+PREFIX = "trainguard launcher"
+
+
+def _line(cycle: int, failure: Failure, hang_timeouts: dict[int, float]) -> str | None:
+    head = f"{PREFIX}: cycle {cycle}: rank {failure.rank}"
+    if failure.kind == "hang":
+        after = hang_timeouts.get(failure.rank)
+        took = f" after {after:.3g} s" if after is not None else ""
+        return f"{head} killed as hung{took} ({failure.detail[:200]})"
+    code = failure.exitcode
+    if failure.kind not in ("exit", "signal") or code is None:
+        return None  # peer/fence/no_client/monitor: not about this rank's process exit
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"{head} killed by signal {-code} ({name})"
+    return f"{head} exited with exitcode {code}"
+
+
+def record_lines(node: str, res: CycleResult,
+                 hang_events: list[tuple[int, int, int, dict]] | None = None) -> list[str]:
+    """The record lines (with the ``{node}:launcher: `` prefix, no newline) for ``res``'s failures,
+    earliest first; ``hang_events`` are the launcher's ``(cycle, rank, detected_ns, msg)``."""
+    timeouts: dict[int, float] = {}
+    for cycle, rank, _, msg in hang_events or ():
+        if cycle == res.cycle and isinstance(msg.get("timeout_s"), (int, float)):
+            timeouts.setdefault(rank, float(msg["timeout_s"]))
+    out = []
+    for failure in sorted(res.failures, key=lambda f: f.at_ns):
+        line = _line(res.cycle, failure, timeouts)
+        if line is not None:
+            out.append(f"{node}:launcher: {line}")
+    return out
+
+
+def append_record(path: str, node: str, res: CycleResult,
+                  hang_events: list[tuple[int, int, int, dict]] | None = None) -> None:
+    """Append :func:`record_lines` to the cycle log at ``path`` (after the workers' output ended).
+
+    Raises:
+        OSError: the log cannot be written (the caller logs it; attribution still runs).
+    """
+    lines = record_lines(node, res, hang_events)
+    if lines:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write("".join(f"{ln}\n" for ln in lines))
