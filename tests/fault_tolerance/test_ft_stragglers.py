@@ -54,6 +54,29 @@ def test_summaries_fit_the_slot_and_a_slow_rank_is_flagged_without_any_store():
             s.close()
 
 
+def test_watch_never_reports_a_rank_back_at_1x():
+    """Issue 10/11: a held flag at 1.00x (0.1 % cost) is not in the log nor the summary text."""
+    slots = [Slot(unique_prefix("t") + str(i), create=True) for i in range(3)]
+    transports = [SlotTransport(MemoryTransport(), s.name) for s in slots]
+    try:
+        watch = StragglerWatch(slots, lambda lr: lr, cycle=0, stale_s=60.0)
+        for window in range(10):
+            slow = 13.0 if 3 <= window <= 6 else 10.01  # then back at ~1.00x
+            for rank, t in enumerate(transports):
+                t.publish(_summary(rank, window, slow if rank == 1 else 10.0))
+            watch.poll()
+            if window == 6:
+                assert set(watch.flagged) == {1}
+            if window == 7:  # the hysteresis still holds the flag; the report does not show it
+                assert watch.flagged == {}
+        assert watch.ever_flagged == {1: "compute, 30 % slower"}
+    finally:
+        for t in transports:
+            t.close()
+        for s in slots:
+            s.close()
+
+
 def test_launcher_flags_an_injected_slow_rank_in_its_log_and_summary(launch, tmp_path):
     script = tmp_path / "strag.py"
     script.write_text(RANK_SCRIPT)

@@ -22,7 +22,12 @@ Rules, per window after warm-up (``work`` = compute + data-loader wait, window m
 * kind: ``data`` when the data-loader excess dominates, ``node`` when every rank of a node with
   two or more ranks is flagged (and not every rank of the job), ``imbalance`` when the rank has
   been above since the first scored window, else ``compute``;
-* cost: ``est_loss_ms = work - median(work)``, ``est_loss_pct`` = that over the median step.
+* cost: ``est_loss_ms = work - median(work)``, ``est_loss_pct`` = that over the median step;
+* reported: a flagged rank appears in ``Report.stragglers`` only for a window whose own figures
+  (the displayed ``ratio`` and cost) pass the hold test, ``ratio >= clear_ratio`` and
+  ``work - median > floor``: a reported straggler always costs more than ``floor_pct`` % (and
+  ``floor_ms``) of the median step. A flag held by hysteresis over a window back at ~1.0x stays
+  in the state (and its ``cleared`` event still comes after ``clear_windows``) but is not shown.
 
 Follows: launcher-research.md §C5 (GREYHOUND-style change points, ByteDance what-if cost).
 """
@@ -291,10 +296,18 @@ class Scorer:
 
     def _stragglers(self, per_rank: dict[int, dict[str, float]], ref: dict[str, float],
                     sec_rel: dict[str, dict[int, float]]) -> tuple[StragglerInfo, ...]:
-        flagged = {r for r in per_rank if self._state[r].rel.on}
+        floor = self.floor(ref["step"])
+        # hysteresis holds the state, but a rank is *reported* only while this window's own
+        # figures (the ones displayed) still pass the hold test: ratio >= clear_ratio and a gap
+        # over the floor, i.e. it costs more than floor_pct % of the median step; a held flag
+        # on a window back at ~1.00x is not shown (issue 10/11: "rank 1 ... 1.00x, costs 0.1%")
+        flagged = {r for r in per_rank if self._state[r].rel.on
+                   and per_rank[r]["ratio"] >= self.config.clear_ratio
+                   and per_rank[r]["work"] - ref["work"] > floor}
         # a rank that is slow relative to the others explains why everyone waits longer (a
         # throttled rank is also frozen inside collectives): no communication verdict then
-        explained = flagged or any(self._state[r].rel.above for r in per_rank)
+        explained = flagged or any(self._state[r].rel.above or self._state[r].rel.on
+                                   for r in per_rank)
         comm = set() if explained else {r for r in per_rank if self._state[r].comm.on}
         node_ranks: dict[str, list[int]] = collections.defaultdict(list)
         for r in per_rank:
