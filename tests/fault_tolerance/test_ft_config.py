@@ -59,9 +59,12 @@ def test_bad_input_is_one_clear_error(tmp_path, monkeypatch, argv, needle):
 
 def test_yaml_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("fault_tolerance: [1, 2\n")
-    with pytest.raises(LaunchConfigError, match="cannot read"):
+    bad.write_text("fault_tolerance:\n  safety_factor: 3\n   pg_timeout: 30\n")
+    with pytest.raises(LaunchConfigError) as err:
         load_yaml_section(str(bad))
+    msg = str(err.value)  # one line: file, line and column, what to fix
+    assert "\n" not in msg and f"{bad}:3:" in msg and "invalid YAML" in msg, msg
+    assert "fix the syntax" in msg
     unknown = tmp_path / "u.yaml"
     unknown.write_text("fault_tolerance: {heartbeat: 3}\n")
     with pytest.raises(LaunchConfigError, match="unknown fault_tolerance option 'heartbeat'"):
@@ -91,3 +94,36 @@ def test_timeout_chain_prints_one_line_per_violation(values, expected):
 def test_rendezvous_timeout_must_cover_a_restart():
     lines = check_timeout_chain(FaultToleranceConfig(), rdzv_timeout_s=10)
     assert lines == [lines[0]] and "rendezvous timeout (10 s) <= workers_stop_timeout" in lines[0]
+
+
+def test_help_shows_only_real_defaults():
+    from trainguard.fault_tolerance._args import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "(default )" not in text and "(default none)" not in text
+    assert "(default: 1:1)" in text  # --nnodes keeps its default
+    assert "tg<launcher pid>" in text  # --rdzv-id says what it falls back to
+
+
+def test_a_missing_module_is_one_error_without_running_user_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LaunchConfigError, match="-m 'no.such.module': no module named 'no'"):
+        parse_launch_args(["-m", "no.such.module"])
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("open('imported', 'w').close()\n")
+    assert parse_launch_args(["-m", "mypkg.train"]).module  # found in the cwd, not imported
+    assert parse_launch_args(["-m", "json.tool"]).script == "json.tool"
+    assert not (tmp_path / "imported").exists()
+
+
+def test_only_error_lines_follow_a_signal_death():
+    from trainguard.fault_tolerance._cycle import is_error_line
+
+    for line in ["Traceback (most recent call last):", "RuntimeError: CUDA error: out of memory",
+                 "torch.distributed.DistBackendError: NCCL error", "Fatal Python error: Aborted",
+                 "terminate called after throwing an instance of 'c10::Error'"]:
+        assert is_error_line(line), line
+    for line in ["/x/_pytree.py:21: `isinstance(treespec, LeafSpec)` i", "train()", "",
+                 "UserWarning: the Error handler is deprecated", "step 40 loss 1.2"]:
+        assert not is_error_line(line), line

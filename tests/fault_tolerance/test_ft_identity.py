@@ -190,7 +190,11 @@ def test_dry_run_on_slurm_multi_node(tmp_path):
     assert out["node_rank"] == 2 and out["node_rank_source"] == "SLURM_PROCID"
     assert out["ranks"] == [4, 5] and out["local_ranks"] == [0, 1]
     assert out["run_id"] == "4240" and out["run_id_source"] == "SLURM_ARRAY_JOB_ID"
-    assert out["master_addr"] == "gpu001" and out["rdzv_host_source"] == "SLURM_JOB_NODELIST"
+    assert out["rdzv_endpoint"] == "gpu001:29400"
+    assert out["rdzv_host_source"] == "SLURM_JOB_NODELIST"
+    # MASTER_ADDR is picked each round on the group-rank-0 node: not known at launch
+    assert (out["master_addr"], out["master_port"]) == (None, None)
+    assert out["master_addr_note"].startswith("decided at rendezvous")
     assert out["hosts"] == ["gpu001", "gpu002", "gpu003", "gpu004"]
     assert out["scheduler"] == "slurm"
     assert out["exit_codes"] == {"done": 0, "failed": 1, "bad_input": 2, "no_restart": 93,
@@ -200,7 +204,8 @@ def test_dry_run_on_slurm_multi_node(tmp_path):
     proc = _dry(tmp_path, env, "--nnodes", "4", "--rdzv-conf", "store_type=file",
                 "--rdzv-endpoint", store)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["master_addr"] == "gpu001"
+    out = json.loads(proc.stdout)
+    assert (out["master_addr"], out["rdzv_endpoint"]) == (None, store)
 
 
 def test_dry_run_on_slurm_takes_nnodes_from_slurm_and_shows_the_endpoint(tmp_path):
@@ -230,7 +235,8 @@ def test_dry_run_on_kubernetes_pytorchjob_and_indexed_job(tmp_path):
     out = json.loads(_dry(tmp_path, env).stdout)
     assert (out["node_rank"], out["node_rank_source"]) == (1, "PET_NODE_RANK")
     assert out["ranks"] == [2, 3] and out["max_restarts"] == 4
-    assert (out["master_addr"], out["master_port"]) == ("job-node-0-0.job", 29511)
+    assert out["rdzv_endpoint"] == "job-node-0-0.job:29511"  # the store, from PET_MASTER_*
+    assert (out["master_addr"], out["master_port"]) == (None, None)  # decided each round
     assert out["run_id"] == "trainjob-7" and out["health_port"] == 28080
     del env["PET_NODE_RANK"]  # an indexed Job / JobSet without the Trainer's PET_NODE_RANK
     out = json.loads(_dry(tmp_path, env).stdout)

@@ -221,3 +221,33 @@ def test_port_in_use_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "is in use" in r.stderr, r.stderr
     assert os.path.exists(tmp_path / "s.py")
+
+
+def test_a_signal_death_is_not_blamed_on_the_last_warning(launch, tmp_path):
+    """The rank's last stderr line is a warning, then SIGKILL: the cause is just the signal;
+    restart and summary wording name the restart count and the duration's unit."""
+    (tmp_path / "k.py").write_text(
+        "import os, signal, sys\n"
+        "print('/x/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated',"
+        " file=sys.stderr, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = launch("--max-restarts", "1", "--ft-attribution", "false", "k.py")
+    assert r.rc == 1, r
+    assert "root cause: cycle 0, rank 0, signal: killed by signal SIGKILL\n" in r.err, r
+    assert "restart 1 of at most 1 (cycle 1)" in r.err, r
+    assert "duration (s)" in r.err, r
+
+
+def test_early_exits_leave_no_temp_run_dir(tmp_path):
+    """Bad input found after the launcher exists (an unresolvable store host): exit 2 and no
+    empty trainguard_* directory left in TMPDIR."""
+    (tmp_path / "s.py").write_text("")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = subprocess.run([sys.executable, "-m", "trainguard.fault_tolerance.launcher",
+                        "--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400",
+                        "--rdzv-conf", "join_timeout=5", "s.py"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, check=False,
+                       env={**os.environ, "TMPDIR": str(tmp)})
+    assert r.returncode == 2, r.stderr
+    assert not list(tmp.glob("trainguard_*")), list(tmp.iterdir())

@@ -91,15 +91,24 @@ class Launcher:
         self.launch_id = f"{spec.run_id}-{os.getpid()}-{secrets.token_hex(3)}"
         self.run_dir = os.path.abspath(os.path.join(spec.log_dir, spec.run_id)) if spec.log_dir \
             else tempfile.mkdtemp(prefix=f"trainguard_{spec.run_id}_")
-        self.health_checks: list[HealthCheck] = launch_checks(
-            spec.health_check, self._health_dirs(), spec.nproc_per_node)
+        self._own_run_dir = not spec.log_dir  # a temp dir of ours: removed again if left empty
+        try:
+            self.health_checks: list[HealthCheck] = launch_checks(
+                spec.health_check, self._health_dirs(), spec.nproc_per_node)
+        except BaseException:
+            self.drop_empty_run_dir()
+            raise
         # the loop ticks at least every --monitor-interval; stale after two missed ticks (>= 1 s)
         self.liveness = Liveness(max(1.0, 2 * spec.monitor_interval_s))
         self.liveness.info = {"pid": os.getpid(), "run_id": spec.run_id,
                               "node_rank": spec.node_rank}
         self.liveness.enter(LauncherState.RENDEZVOUS, 0, wait_s=_SETUP_WAIT_S)
-        self.health_server = HealthServer(self.liveness, spec.health_port) \
-            if spec.health_port is not None else None
+        try:
+            self.health_server = HealthServer(self.liveness, spec.health_port) \
+                if spec.health_port is not None else None
+        except BaseException:
+            self.drop_empty_run_dir()
+            raise
         self.slots: list[Slot] = []
         self.monitors: list[_MonitorHandle] = []
         self.server: ForkServer | None = None
@@ -462,6 +471,16 @@ class Launcher:
             if self.health_server is not None:
                 self.health_server.close()
             print_summary(self)
+            self.drop_empty_run_dir()
+
+    def drop_empty_run_dir(self) -> None:
+        """Remove the temporary run directory when nothing was written to it (an early exit:
+        bad input, an unreachable store); a ``--log-dir`` or a non-empty one stays."""
+        if self._own_run_dir:
+            try:
+                os.rmdir(self.run_dir)
+            except OSError:
+                pass  # not empty (cycle logs the user may read) or already gone
 
     def _health_dirs(self) -> list[str]:
         ckpt = self.spec.ft.checkpoint_iteration_file
@@ -504,8 +523,8 @@ class Launcher:
                            self.spec.max_restarts)
                 return EXIT_FAILED
             cycle += 1
-            _log.warning("restarting all workers: cycle %d of at most %d", cycle,
-                         self.spec.max_restarts + 1)
+            _log.warning("restarting all workers: restart %d of at most %d (cycle %d)", cycle,
+                         self.spec.max_restarts, cycle)
 
 
 def check_master_port(spec: LaunchSpec) -> None:

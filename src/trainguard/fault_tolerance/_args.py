@@ -36,7 +36,9 @@ _TORCHRUN: list[tuple[tuple[str, ...], str, Any, str, str]] = [
     (("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "static", "str",
      "rendezvous backend: static (one node) or trainguard/c10d (default when --nnodes > 1)"),
     (("--rdzv-endpoint", "--rdzv_endpoint"), "rdzv_endpoint", "", "str", "host:port of the store"),
-    (("--rdzv-id", "--rdzv_id"), "rdzv_id", "none", "str", "job id (TORCHELASTIC_RUN_ID)"),
+    (("--rdzv-id", "--rdzv_id"), "rdzv_id", "none", "str",
+     ("job id (TORCHELASTIC_RUN_ID; default: PET_RDZV_ID, SLURM_ARRAY_JOB_ID, SLURM_JOB_ID, "
+      "TORCHELASTIC_RUN_ID, else tg<launcher pid>)")),
     (("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "", "str",
      "key=value,...: join_timeout, last_call_timeout (s), store_type=tcp|file, is_host=0|1"),
     (("--standalone",), "standalone", False, "flag", "single node, free local ports"),
@@ -100,7 +102,7 @@ _FT: list[tuple[str, str]] = [
     ("no_restart_exit_code", "exit code for verdicts a restart will not fix (93)"),
     ("max_node_failures", ("multi-node: node failures (lapsed lease, failed health check, "
                            "exclusion) the job tolerates; one more ends every launcher with "
-                           "the no-restart code (default none: no limit)")),
+                           "the no-restart code (default: no limit)")),
     ("warm_restart", "fork workers from a torch-preloaded server (true)"),
     ("preload", "modules the fork server imports besides torch (comma-separated)"),
     ("attribution", "run trainguard.attribution on each failed cycle's log (true)"),
@@ -168,6 +170,40 @@ class LaunchSpec:
     nnodes_source: str = "default"  # --nnodes | PET_NNODES | SLURM_NNODES | default
 
 
+def _check_module(name: str) -> None:
+    """``-m NAME``: its top-level package must be importable from the cwd or ``sys.path``.
+
+    Only the top-level name is looked up (``importlib.util.find_spec`` on a dotted name would
+    import, i.e. run, the parent packages); a finder that errors is not held against the name.
+
+    Raises:
+        LaunchConfigError: no top-level module or package of that name exists.
+    """
+    import importlib.machinery
+    import importlib.util
+
+    top = name.split(".", 1)[0]
+    if not top.isidentifier():
+        raise LaunchConfigError(f"-m {name!r}: not a module name (use dotted Python "
+                                "identifiers, e.g. -m pkg.train)")
+    try:
+        found = importlib.util.find_spec(top) is not None or \
+            importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+    except Exception:  # noqa: BLE001 - a broken finder: leave the verdict to the worker
+        return
+    if not found:
+        raise LaunchConfigError(f"-m {name!r}: no module named {top!r} in the cwd "
+                                f"({os.getcwd()}) or on sys.path; check the name or PYTHONPATH")
+
+
+def _with_default(help_: str, default: Any) -> str:
+    """``help_`` plus ``(default: X)``; nothing added when the text already names its default
+    or there is no value to show (an empty or unset default)."""
+    if default in (None, "") or "default" in help_:
+        return help_
+    return f"{help_} (default: {default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainguard launch", allow_abbrev=True,
@@ -178,10 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
         if kind == "flag":
             parser.add_argument(*opts, dest=dest, action="store_true", default=None, help=help_)
         else:
-            parser.add_argument(*opts, dest=dest, default=None, help=f"{help_} (default {default})")
+            parser.add_argument(*opts, dest=dest, default=None, help=_with_default(help_, default))
     for flag, dest, default, help_ in _LEASE:
         parser.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=dest, default=None,
-                            help=f"{help_} (default {default})" if default else help_)
+                            help=_with_default(help_, default))
     parser.add_argument("--ft-cfg-path", "--ft_cfg_path", dest="ft_cfg_path", default=None,
                         help="YAML file with a 'fault_tolerance:' section (any depth)")
     for name, help_ in _FT:
@@ -404,6 +440,8 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
     if not v["module"] and not v["no_python"] and not os.path.isfile(script):
         raise LaunchConfigError(f"training script {script!r} not found (cwd {os.getcwd()}); "
                                 "use -m for a module")
+    if v["module"] and not v["no_python"]:
+        _check_module(script)
     master_port = v["master_port"]
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")

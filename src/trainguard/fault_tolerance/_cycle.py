@@ -9,6 +9,7 @@ import enum
 import json
 import logging
 import os
+import re
 import select
 import signal
 import time
@@ -84,6 +85,18 @@ def _error_file_message(path: str) -> str:
         return ""
 
 
+_ERROR_LINE = re.compile(
+    r"\b\w*(Error|Exception|Interrupt)\b|SystemExit|^Traceback |Fatal Python error|terminate called"
+    r"|what\(\):|Segmentation fault|core dumped|\bFAILED\b")
+
+
+def is_error_line(line: str) -> bool:
+    """True when ``line`` reads as an error (an exception, traceback, fatal or C++ abort line),
+    not a warning or ordinary output: only such a line is appended to a signal death's cause."""
+    text = line.strip()
+    return bool(text) and "Warning" not in text and _ERROR_LINE.search(text) is not None
+
+
 def _on_exit(launcher: Launcher, res: CycleResult, worker: Worker, status: int) -> None:
     if worker.exitcode is not None:
         return
@@ -97,6 +110,8 @@ def _on_exit(launcher: Launcher, res: CycleResult, worker: Worker, status: int) 
     msg = _error_file_message(launcher.error_file(res.cycle, worker.local_rank))
     tail = launcher.pump.tails.get(worker.rank)
     last = msg or next((ln for ln in reversed(tail or []) if ln.strip()), "")
+    if status < 0 and not msg and not is_error_line(last):
+        last = ""  # no Python traceback: a rank's last stderr line (a warning) is no cause
     if last:
         detail += f": {last.strip()[:300]}"
     res.fail(Failure(worker.rank, "signal" if status < 0 else "exit", detail, worker.exit_ns,

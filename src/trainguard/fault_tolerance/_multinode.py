@@ -62,7 +62,11 @@ class MultiNodeLauncher(Launcher):
     def __init__(self, spec: LaunchSpec, health_checks: Sequence[HealthCheck] = (),
                  identity: NodeIdentity | None = None) -> None:
         super().__init__(spec)
-        self.identity = identity or resolve_identity(spec, os.environ)
+        try:
+            self.identity = identity or resolve_identity(spec, os.environ)
+        except BaseException:
+            self.drop_empty_run_dir()
+            raise
         self.join_probes: list[HealthCheck] = list(health_checks) or (
             [as_probe(self.health_checks, spec.health_check_timeout_s)]
             if self.health_checks else [])

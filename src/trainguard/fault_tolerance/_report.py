@@ -147,7 +147,7 @@ def print_summary(launcher: Launcher) -> None:
         return
     table = Table(title=f"trainguard launch {launcher.spec.run_id}: {len(launcher.results)} "
                         f"cycle(s), logs in {launcher.run_dir}")
-    cols = ["cycle", "outcome", "start", "s", "root cause", "verdict"]
+    cols = ["cycle", "outcome", "start", "duration (s)", "root cause", "verdict"]
     with_stragglers = any(r.stragglers for r in launcher.results)
     if with_stragglers:
         cols.append("stragglers")

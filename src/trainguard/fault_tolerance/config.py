@@ -248,12 +248,23 @@ def load_yaml_section(path: str) -> dict[str, Any]:
     try:
         with open(path) as fh:
             doc = yaml.safe_load(fh)
-    except (OSError, yaml.YAMLError) as exc:
+    except OSError as exc:
         raise LaunchConfigError(f"--ft-cfg-path: cannot read {path!r}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise LaunchConfigError(_yaml_error_line(path, exc)) from None
     found = _find_section(doc)
     if found is not None and not isinstance(found, Mapping):
         raise LaunchConfigError(f"{path}: 'fault_tolerance' must be a mapping of options")
     return dict(found or {})
+
+
+def _yaml_error_line(path: str, exc: Exception) -> str:
+    """One line for a YAML syntax error: file, line, column (1-based) and what to fix."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    return (f"--ft-cfg-path: {where}: invalid YAML ({problem}); fix the syntax there "
+            "(check indentation, ':' after each key, matching quotes/brackets)")
 
 
 def _find_section(doc: Any) -> Any:

@@ -148,8 +148,11 @@ def dry_run_report(spec: LaunchSpec) -> dict[str, Any]:
         "rdzv_endpoint": spec.rdzv_endpoint or None,
         "rdzv_store_type": dict(spec.rdzv_conf).get("store_type", "tcp")
         if spec.multinode else None,
-        "master_addr": spec.master_addr,
-        "master_port": spec.master_port,
+        # multi-node: each round's group-rank-0 node picks MASTER_ADDR/PORT (not known yet)
+        "master_addr": None if spec.multinode else spec.master_addr,
+        "master_port": None if spec.multinode else spec.master_port,
+        "master_addr_note": "decided at rendezvous: group rank 0's node, fresh port each round"
+        if spec.multinode else "this node",
         "rdzv_host_source": (ident.rdzv_host_source if ident else "") or "flag/env/default",
         "run_id": spec.run_id,
         "run_id_source": ident.run_id_source if ident else "--rdzv-id",
