@@ -67,13 +67,14 @@ def _got(write_log, text: str) -> tuple:
 @pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("rank", [0, 3, 12])
 def test_launcher_prefix_names_node_and_rank(host, rank):
-    ctx, body = parse_prefix(f"{host}:{rank}: RuntimeError: boom")
+    ctx, body = parse_prefix(f"{host}:{rank}: RuntimeError: boom", launcher=True)
     assert (ctx.node, ctx.rank, body) == (host, rank, "RuntimeError: boom")
 
 
 @pytest.mark.parametrize("host", HOSTS)
 def test_launcher_own_lines_name_the_node_only(host):
-    ctx, body = parse_prefix(f"{host}:launcher: trainguard launcher: cycle 0: rank 1 x")
+    ctx, body = parse_prefix(f"{host}:launcher: trainguard launcher: cycle 0: rank 1 x",
+                             launcher=True)
     assert (ctx.node, ctx.rank, body) == (host, None, "trainguard launcher: cycle 0: rank 1 x")
 
 
@@ -89,8 +90,25 @@ def test_launcher_own_lines_name_the_node_only(host):
     ("node07:123:456 [0] NCCL INFO x", "node07", None, None, "NCCL INFO x"),
 ])
 def test_other_prefix_schemes_unchanged(line, node, rank, task, body):
+    for launcher in (False, True):
+        ctx, got = parse_prefix(line, launcher=launcher)
+        assert (ctx.node, ctx.rank, ctx.task, got) == (node, rank, task, body)
+
+
+@pytest.mark.parametrize("line", ["step:100: RuntimeError: CUDA error", "Epoch:3: loss 0.25",
+                                  "trainer:120: starting fit", "mlx5_0:1: port down"])
+def test_word_number_lines_outside_a_launcher_log_name_no_node(line):
     ctx, got = parse_prefix(line)
-    assert (ctx.node, ctx.rank, ctx.task, got) == (node, rank, task, body)
+    assert (ctx.node, ctx.rank, got) == (None, None, line)
+
+
+def test_launcher_log_is_recognised_by_its_prefixed_lines():
+    from trainguard.attribution._context import is_launcher_log
+
+    cycle = "".join(f"node07:{r}: step {i}\n" for i in range(5) for r in (0, 1))
+    assert is_launcher_log(cycle + "node07:launcher: trainguard launcher: cycle 0: x\n")
+    plain = "step:100: RuntimeError: CUDA error\nTraceback (most recent call last):\n  x\n"
+    assert not is_launcher_log(plain)
 
 
 def _exc_log(host: str) -> str:

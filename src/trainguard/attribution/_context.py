@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LineContext", "parse_prefix", "severity"]
+__all__ = ["LineContext", "is_launcher_log", "parse_prefix", "severity"]
 
 #: ``kubectl logs --prefix``: ``[pod/<pod>/<container>] `` (the pod stands for its node)
 _K8S = re.compile(r"^\[pod/([\w.-]+)/[\w.-]+\] ?")
@@ -73,9 +73,26 @@ class LineContext:
     pid: int | None = None
 
 
-def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, str]:
-    """Strip the launcher prefixes (trainguard, srun, mpirun, pdsh, node, Ray); (task, rank,
-    node, pid)."""
+def _tg_launch(text: str) -> re.Match[str] | None:
+    m = _TG_LAUNCH.match(text)
+    if m and not _SOURCE_EXT.search(m.group(1)) and not _NOT_HOSTS.match(m.group(1)):
+        return m
+    return None
+
+
+def is_launcher_log(head: str, min_share: float = 0.5, lines: int = 40) -> bool:
+    """Whether ``head`` (the start of a file) is a ``trainguard launch`` cycle log: at least
+    ``min_share`` of its first ``lines`` non-empty lines carry the ``{node}:{rank}: `` or
+    ``{node}:launcher: `` prefix. Only such files get that prefix read as node and rank, so a
+    ``step:100: ...`` or ``logger:120: ...`` line elsewhere is not taken for one."""
+    rows = [ln for ln in head.splitlines()[: lines * 4] if ln.strip()][:lines]
+    return bool(rows) and sum(_tg_launch(ln) is not None for ln in rows) >= min_share * len(rows)
+
+
+def _outer(text: str, launcher: bool = False
+           ) -> tuple[int | None, int | None, str | None, int | None, str]:
+    """Strip the launcher prefixes (trainguard when ``launcher``, srun, mpirun, pdsh, node, Ray);
+    (task, rank, node, pid)."""
     task = rank = pid = None
     node = None
     m = _K8S.match(text)
@@ -84,11 +101,11 @@ def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, s
     m = _STREAM.match(text)
     if m:
         text = text[m.end():]
-    m = _TG_LAUNCH.match(text)
-    if m and not _SOURCE_EXT.search(m.group(1)) and not _NOT_HOSTS.match(m.group(1)):
-        node, text = m.group(1), text[m.end():]
-        if m.group(2) != "launcher":
-            rank = int(m.group(2))
+    tg = _tg_launch(text) if launcher else None
+    if tg:
+        node, text = tg.group(1), text[tg.end():]
+        if tg.group(2) != "launcher":
+            rank = int(tg.group(2))
     m = _MPI.match(text)
     if m:
         rank, text = int(m.group(1)), text[m.end():]
@@ -108,9 +125,11 @@ def _outer(text: str) -> tuple[int | None, int | None, str | None, int | None, s
     return task, rank, node, pid, text
 
 
-def parse_prefix(text: str) -> tuple[LineContext, str]:
-    """Split ``text`` into its :class:`LineContext` and the body patterns match against."""
-    task, rank, node, pid, text = _outer(text)
+def parse_prefix(text: str, launcher: bool = False) -> tuple[LineContext, str]:
+    """Split ``text`` into its :class:`LineContext` and the body patterns match against
+    (``launcher``: the line is from a ``trainguard launch`` cycle log, see
+    :func:`is_launcher_log`)."""
+    task, rank, node, pid, text = _outer(text, launcher)
     local = None
     m = _RANK.match(text) or _PL_RANK.match(text)
     if m:

@@ -31,7 +31,7 @@ try:  # optional accelerator: multi-substring search in one pass (Rust Aho-Coras
 except ImportError:  # pragma: no cover - the bytes.find fallback gives identical results
     _ac = None  # type: ignore[assignment]
 
-from trainguard.attribution._context import LineContext, parse_prefix, severity
+from trainguard.attribution._context import LineContext, is_launcher_log, parse_prefix, severity
 from trainguard.attribution._registry import Pattern, Registry
 from trainguard.attribution.errors import LogInputError
 
@@ -108,6 +108,7 @@ class ScanState:
     lines: int = 0
     warnings: list[str] = field(default_factory=list)
     non_text: list[str] = field(default_factory=list)  # files that do not look like text logs
+    launcher_files: set[int] = field(default_factory=set)  # ``trainguard launch`` cycle logs
     flagged: list[str] = field(default_factory=list)  # inputs not read: binary, unreadable
     nonempty: int = 0
     matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
@@ -280,7 +281,7 @@ def _rank_fact(rank: int, g: dict[str, str], ctx: LineContext, state: ScanState)
 
 def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanState) -> None:
     text = _decode(raw, state, state.files[pos[0]])
-    ctx, body = parse_prefix(text)
+    ctx, body = parse_prefix(text, pos[0] in state.launcher_files)
     low = body.lower()
     best: tuple[Pattern, dict] | None = None
     best_exit: tuple[Pattern, dict] | None = None
@@ -476,6 +477,8 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
             return
         state.nonempty += 1
         _sniff(head, path, state)
+        if is_launcher_log(head[:16384].decode("utf-8", "replace")):
+            state.launcher_files.add(file)
         fh.seek(0)
         base = _read_blocks(fh, file, reg, state)
         state.lines += base
