@@ -96,11 +96,9 @@ def destroy_process_group(group: Any = None) -> None:
         raise RuntimeError("torch.distributed is not available in this torch build")
     orig = _orig[0] if _orig else mod.destroy_process_group
     hold(group)
-    try:
-        orig(group)
-    finally:
-        if group is None:
-            _next_generation()
+    orig(group)
+    if group is None:  # only once torch's destroy went through: a failed one frees nothing
+        _next_generation()
 
 
 def _next_generation() -> None:
