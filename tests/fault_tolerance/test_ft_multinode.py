@@ -308,6 +308,21 @@ def test_node_failure_budget_counts_each_launcher_once_and_ends_the_job():
     assert not any(unlimited.record(store, other, f"t{i}", "x") for i in range(5))
 
 
+def test_node_failure_is_not_lost_to_a_store_error():
+    """A store call that fails while this node counts its own failure (an exclusion, a failed
+    health check) is logged, and the node still leaves: node_failed answers "not exhausted"."""
+    from trainguard._core.store import StoreCallTimeout
+    from trainguard.fault_tolerance._rdzv import NodeFailureBudget, Rendezvous, _Keys
+
+    def fenced(fn):
+        raise StoreCallTimeout("this node is fenced (lease lost): no more store calls")
+
+    rdzv = Rendezvous.__new__(Rendezvous)
+    rdzv.call, rdzv.keys, rdzv.token = fenced, _Keys("budget", 2), "node1-tok"
+    rdzv.budget = NodeFailureBudget(0, 93)
+    assert rdzv.node_failed("node node1 excluded") is False
+
+
 def test_exclusion_past_the_node_failure_budget_ends_every_launcher(cluster):
     """--ft-max-node-failures 0: a node asking for its exclusion is one failure too many; every
     launcher exits with the do-not-requeue code instead of waiting for a replacement."""

@@ -748,8 +748,14 @@ class Rendezvous:
 
     def node_failed(self, reason: str) -> bool:
         """Count this node's own failure (failed health check, exclusion) against
-        ``--ft-max-node-failures``; True when that exhausted the budget (the job is over)."""
-        return bool(self.call(lambda s: self.budget.record(s, self.keys, self.token, reason)))
+        ``--ft-max-node-failures``; True when that exhausted the budget (the job is over).
+        Best effort: a store error is logged and counts as not exhausted, so the node still
+        leaves (its exclusion or failed check is never lost to a store hiccup)."""
+        try:
+            return bool(self.call(lambda s: self.budget.record(s, self.keys, self.token, reason)))
+        except Exception as exc:  # noqa: BLE001 - as LeaseKeeper._count_failure
+            _log.warning("could not count this node's failure (%s): %s", reason, exc)
+            return False
 
     def finish(self, value: str) -> None:
         self.call(lambda s: s.compare_set(self.keys("done"), "", value))
