@@ -52,3 +52,11 @@ class ServerThread:
         self.thread.join(20.0)
         if self.thread.is_alive():
             raise RuntimeError("attribution server did not stop within 20 s")
+
+
+def verdict_keys(path: Path | str) -> tuple:
+    """(category, decision, culprit ranks, culprit nodes) of one analysed log."""
+    from trainguard.attribution import analyze_logs
+
+    r = analyze_logs([path])
+    return r.primary_category, r.decision, r.culprit_ranks, r.culprit_nodes

@@ -189,72 +189,29 @@ def test_held_apart_set_is_what_the_issue_asks():
     assert all(lb["source"].startswith("https://github.com/") for lb in labels)
 
 
-def test_second_held_apart_set_is_what_the_issue_asks():
-    """heldout2: 36 logs, two labelling passes, every category and launcher format, and no
-    report that an earlier set already used."""
-    labels = json.loads((DATA / "heldout2" / "labels.json").read_text())
-    second = json.loads((DATA / "heldout2" / "labels_second.json").read_text())
-    assert len(labels) == 36 and {lb["split"] for lb in labels} == {"heldout2"}
+_COMMON_LAUNCHERS = ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh",
+                     "mpirun", "ray", "lightning", "accelerate", "submitit")
+# (set, logs, launchers it must cover besides the common ones), in the order they were made
+_LATER_SETS = [("heldout2", 36, ("srun",)), ("heldout3", 34, ("srun",)),
+               ("heldout4", 35, ("srun",)), ("heldout5", 38, ("srun-l", "sbatch")),
+               ("heldout6", 44, ("srun-l",))]
+
+
+@pytest.mark.parametrize("index", range(len(_LATER_SETS)), ids=[s[0] for s in _LATER_SETS])
+def test_later_held_apart_set_is_what_the_issue_asks(index):
+    """heldout2..6: their size, two labelling passes, every category and launcher format, and
+    no report that an earlier set already used."""
+    name, size, extra = _LATER_SETS[index]
+    labels = json.loads((DATA / name / "labels.json").read_text())
+    second = json.loads((DATA / name / "labels_second.json").read_text())
+    assert len(labels) == size and {lb["split"] for lb in labels} == {name}
     assert {lb["primary_category"] for lb in labels} == set(CATEGORIES)
     launchers = {lb["launcher"] for lb in labels}
-    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun",
-                 "mpirun", "ray", "lightning", "accelerate", "submitit"):
+    for need in _COMMON_LAUNCHERS + extra:
         assert need in launchers, need
     assert sorted(s["file"] for s in second) == sorted(lb["file"] for lb in labels)
-    earlier = {lb["source"] for d in ("logs", "corpus", "fresh", "heldout")
-               for lb in json.loads((DATA / d / "labels.json").read_text())}
-    assert not earlier & {lb["source"] for lb in labels}
-
-
-def test_third_held_apart_set_is_what_the_issue_asks():
-    """heldout3: 34 logs, two labelling passes, every category and launcher format, and no
-    report that an earlier set already used."""
-    labels = json.loads((DATA / "heldout3" / "labels.json").read_text())
-    second = json.loads((DATA / "heldout3" / "labels_second.json").read_text())
-    assert len(labels) == 34 and {lb["split"] for lb in labels} == {"heldout3"}
-    assert {lb["primary_category"] for lb in labels} == set(CATEGORIES)
-    launchers = {lb["launcher"] for lb in labels}
-    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun",
-                 "mpirun", "ray", "lightning", "accelerate", "submitit"):
-        assert need in launchers, need
-    assert sorted(s["file"] for s in second) == sorted(lb["file"] for lb in labels)
-    earlier = {lb["source"] for d in ("logs", "corpus", "fresh", "heldout", "heldout2")
-               for lb in json.loads((DATA / d / "labels.json").read_text())}
-    assert not earlier & {lb["source"] for lb in labels}
-
-
-def test_fourth_held_apart_set_is_what_the_issue_asks():
-    """heldout4: 35 logs, two labelling passes, every category and launcher format, and no
-    report that an earlier set already used."""
-    labels = json.loads((DATA / "heldout4" / "labels.json").read_text())
-    second = json.loads((DATA / "heldout4" / "labels_second.json").read_text())
-    assert len(labels) == 35 and {lb["split"] for lb in labels} == {"heldout4"}
-    assert {lb["primary_category"] for lb in labels} == set(CATEGORIES)
-    launchers = {lb["launcher"] for lb in labels}
-    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun",
-                 "mpirun", "ray", "lightning", "accelerate", "submitit"):
-        assert need in launchers, need
-    assert sorted(s["file"] for s in second) == sorted(lb["file"] for lb in labels)
-    earlier = {lb["source"] for d in ("logs", "corpus", "fresh", "heldout", "heldout2",
-                                      "heldout3")
-               for lb in json.loads((DATA / d / "labels.json").read_text())}
-    assert not earlier & {lb["source"] for lb in labels}
-
-
-def test_fifth_held_apart_set_is_what_the_issue_asks():
-    """heldout5: 38 logs, two labelling passes, every category and launcher format, and no
-    report that an earlier set already used."""
-    labels = json.loads((DATA / "heldout5" / "labels.json").read_text())
-    second = json.loads((DATA / "heldout5" / "labels_second.json").read_text())
-    assert len(labels) == 38 and {lb["split"] for lb in labels} == {"heldout5"}
-    assert {lb["primary_category"] for lb in labels} == set(CATEGORIES)
-    launchers = {lb["launcher"] for lb in labels}
-    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun-l",
-                 "sbatch", "mpirun", "ray", "lightning", "accelerate", "submitit"):
-        assert need in launchers, need
-    assert sorted(s["file"] for s in second) == sorted(lb["file"] for lb in labels)
-    earlier = {lb["source"] for d in ("logs", "corpus", "fresh", "heldout", "heldout2",
-                                      "heldout3", "heldout4")
+    before = ["logs", "corpus", "fresh", "heldout"] + [s[0] for s in _LATER_SETS[:index]]
+    earlier = {lb["source"] for d in before
                for lb in json.loads((DATA / d / "labels.json").read_text())}
     assert not earlier & {lb["source"] for lb in labels}
 
@@ -286,20 +243,3 @@ def test_sixth_held_apart_set_scores_as_recorded():
             misses.add(lb["file"])
     assert misses == set(_HELD6_MISSES), sorted(misses ^ set(_HELD6_MISSES))
     assert cat / len(_HELD6) >= 0.9 and dec / len(_HELD6) >= 0.9, (cat, dec)
-
-
-def test_sixth_held_apart_set_is_what_the_issue_asks():
-    """heldout6: 44 logs, two labelling passes, every category, and no report that an earlier
-    set already used."""
-    second = json.loads((DATA / "heldout6" / "labels_second.json").read_text())
-    assert len(_HELD6) == 44 and {lb["split"] for lb in _HELD6} == {"heldout6"}
-    assert {lb["primary_category"] for lb in _HELD6} == set(CATEGORIES)
-    launchers = {lb["launcher"] for lb in _HELD6}
-    for need in ("torchrun", "torch.distributed.launch", "deepspeed", "deepspeed-pdsh", "srun-l",
-                 "mpirun", "ray", "lightning", "accelerate", "submitit"):
-        assert need in launchers, need
-    assert sorted(s["file"] for s in second) == sorted(lb["file"] for lb in _HELD6)
-    earlier = {lb["source"] for d in ("logs", "corpus", "fresh", "heldout", "heldout2",
-                                      "heldout3", "heldout4", "heldout5")
-               for lb in json.loads((DATA / d / "labels.json").read_text())}
-    assert not earlier & {lb["source"] for lb in _HELD6}

@@ -8,16 +8,14 @@ then on that log itself. The held-apart logs are also scored in full by ``test_a
 from __future__ import annotations
 
 import pytest
-from attr_data import DATA
+from attr_data import DATA, verdict_keys
 
-from trainguard.attribution import AttributionError, analyze_logs, load_registry
+from trainguard.attribution import AttributionError, load_registry
 
 HELD2 = DATA / "heldout2"
 
 
-def _got(path) -> tuple:
-    r = analyze_logs([path])
-    return r.primary_category, r.decision, r.culprit_ranks, r.culprit_nodes
+_got = verdict_keys
 
 
 # ---------------------------------------------------------------- a Ray node marked dead (k03)

@@ -8,16 +8,12 @@ log itself. The heldout3 logs are also scored in full by ``test_attr_corpus.py``
 from __future__ import annotations
 
 import pytest
-from attr_data import DATA
-
-from trainguard.attribution import analyze_logs
+from attr_data import DATA, verdict_keys
 
 HELD3 = DATA / "heldout3"
 
 
-def _got(path) -> tuple:
-    r = analyze_logs([path])
-    return r.primary_category, r.decision, r.culprit_ranks, r.culprit_nodes
+_got = verdict_keys
 
 
 # ------------------------------------ a dead node in Ray's other wordings (m12): never CONTINUE

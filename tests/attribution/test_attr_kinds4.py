@@ -8,16 +8,12 @@ then on that log itself. The heldout4 logs are also scored in full by ``test_att
 from __future__ import annotations
 
 import pytest
-from attr_data import DATA
-
-from trainguard.attribution import analyze_logs
+from attr_data import DATA, verdict_keys
 
 HELD4 = DATA / "heldout4"
 
 
-def _got(path) -> tuple:
-    r = analyze_logs([path])
-    return r.primary_category, r.decision, r.culprit_ranks, r.culprit_nodes
+_got = verdict_keys
 
 
 # ---------------- a loss scale cut to 1 or below: stuck diverging, not training (p15)

@@ -8,17 +8,13 @@ The heldout5 logs are also scored in full by ``test_attr_corpus.py``.
 from __future__ import annotations
 
 import pytest
-from attr_data import DATA
-
-from trainguard.attribution import analyze_logs
+from attr_data import DATA, verdict_keys
 
 HELD5 = DATA / "heldout5"
 _STEPS = "epoch 1 | step 100/200 | loss 0.88\nepoch 1 | step 200/200 | loss 0.51\n"
 
 
-def _got(path) -> tuple:
-    r = analyze_logs([path])
-    return r.primary_category, r.decision, r.culprit_ranks, r.culprit_nodes
+_got = verdict_keys
 
 
 # ------------------------------- trainers' completion wordings (q33)
