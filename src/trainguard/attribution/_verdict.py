@@ -197,6 +197,14 @@ def _ranks_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
     return {r for r in failing if state.rank_host.get(r) in nodes}
 
 
+def _named_hosts(state: ScanState, res: Resolution) -> set[str]:
+    """Every host the log names: the job's framing, ranks' and tasks' hosts, process exits and
+    the resolved culprit nodes."""
+    named = set(state.job_hosts) | set(state.rank_host.values()) | \
+        set(state.task_host.values()) | {e.node for e in state.exits if e.node}
+    return named | (set().union(*res.nodes.values()) if res.nodes else set())
+
+
 def _only_host(state: ScanState, res: Resolution) -> list[str]:
     """The host a single-node job ran on, when its framing names it (``job 7 started on
     node-04``, submitit's ``hostname=``), no launcher says the job spans more nodes, and no line
@@ -204,9 +212,7 @@ def _only_host(state: ScanState, res: Resolution) -> list[str]:
     fault line does not place happened there."""
     if not state.job_hosts or state.nnodes > 1:
         return []
-    named = set(state.job_hosts) | set(state.rank_host.values()) | \
-        set(state.task_host.values()) | {e.node for e in state.exits if e.node}
-    named |= set().union(*res.nodes.values()) if res.nodes else set()
+    named = _named_hosts(state, res)
     return sorted(named) if len(named) == 1 else []
 
 
@@ -220,9 +226,7 @@ def _failed_exit_host(state: ScanState, res: Resolution, failed: list[ExitEvent]
     node = nodes.pop() if len(nodes) == 1 else None
     if node is None or state.nnodes > 1:
         return []
-    named = set(state.job_hosts) | set(state.rank_host.values()) | \
-        set(state.task_host.values()) | {e.node for e in state.exits if e.node}
-    named |= set().union(*res.nodes.values()) if res.nodes else set()
+    named = _named_hosts(state, res)
     return [node] if named <= {node} else []
 
 
