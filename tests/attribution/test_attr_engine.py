@@ -140,6 +140,29 @@ def test_registry_is_validated():
         parse_registry("categories: [")
 
 
+def test_exit_meaning_is_one_table_a_site_can_change(tmp_path, write_log):
+    """What a SIGKILL means is one decision (``Registry.exit_category``): the code's table when
+    no sender is named, the launcher's word on the sender when it is; a site's overlay changes
+    it in one place, and a signal the launcher sent itself can never be made a culprit."""
+    from trainguard.attribution._registry import load_registry
+
+    shipped = load_registry()
+    assert shipped.exit_category(-9) == "host_oom"
+    assert shipped.exit_category(-9, "outside") == "unknown"
+    assert shipped.exit_category(-9, "launcher") is None
+    assert shipped.exit_category(-15) is None and shipped.exit_category(1, "outside") == "unknown"
+    line = "n1:launcher: trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL) {}\n"
+    log = write_log("n1:0: step 1\n" + line.format("from outside the launcher"))
+    assert analyze_logs([log]).decision == "RESTART"
+    reg = tmp_path / "reg.yaml"
+    reg.write_text("signal_senders: {outside: host_oom}\n")
+    assert analyze_logs([log], registry_path=str(reg)).primary_category == "host_oom"
+    bad = tmp_path / "bad.yaml"  # (registries are cached per path)
+    bad.write_text("signal_senders: {launcher: host_oom}\n")
+    with pytest.raises(AttributionError, match="unknown sender"):
+        analyze_logs([log], registry_path=str(bad))
+
+
 def test_custom_registry_row(tmp_path, write_log):
     """Sites extend the registry with data, not code."""
     from importlib import resources

@@ -135,12 +135,45 @@ def test_module_not_found_on_every_rank_stops(write_log):
 
 
 def test_sigkill_record_restarts(write_log):
+    """A SIGKILL the launcher did not send: its record says so, and that sender (not a second
+    rule) decides the exit's category in the one table: unknown, RESTART."""
     res = CycleResult(0)
     res.fail(Failure(1, "signal", "killed by signal SIGKILL", 5, -9))
+    assert record_lines("node07", res) == [
+        ("node07:launcher: trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL) "
+         "from outside the launcher")]
     text = _prefixed("node07", 0, _START.format(r=0)) + _prefixed("node07", 1, _START.format(r=1))
     r = analyze_logs([write_log(text + _launcher("node07", res))], job_ended=True)
-    assert r.decision == "RESTART", r.reason
-    assert "trainguard_rank_signal" in str(r.to_dict()), r.reason
+    assert (r.primary_category, r.decision) == ("unknown", "RESTART"), r.reason
+    assert r.fingerprint == "unknown:trainguard_rank_exit", r.reason
+    assert "code -9, its signal sent from outside the launcher" in r.reason, r.reason
+
+
+def test_sigkill_without_a_sender_is_the_exit_code_table(write_log):
+    """The same -9 where a launcher record names no sender (torchrun's, an older trainguard
+    record): the code's table decides -- host OOM, STOP -- through the same function."""
+    text = (_prefixed("node07", 0, _START.format(r=0))
+            + "node07:launcher: trainguard launcher: cycle 0: rank 1 killed by signal 9 "
+            "(SIGKILL)\n")
+    assert _got(write_log, text)[:2] == ("host_oom", "STOP")
+
+
+def test_hang_kill_race_is_the_launchers_not_an_outside_kill(write_log):
+    """The monitor reports rank 1 hung and SIGKILLs it; the launcher sees the exit as well. The
+    record says the launcher sent that signal, and the verdict stays the hang (RESTART), not an
+    outside kill and not host OOM."""
+    res = CycleResult(0)
+    res.fail(Failure(1, "hang", "heartbeat: no heartbeat for 5.2 s", 5))
+    res.fail(Failure(1, "signal", "killed by signal SIGKILL", 6, -9))
+    lines = record_lines("node07", res, [(0, 1, 5, {"timeout_s": 5.0})])
+    assert lines[1] == ("node07:launcher: trainguard launcher: cycle 0: rank 1 killed by signal 9 "
+                        "(SIGKILL) by the launcher (hang detection)"), lines
+    text = _prefixed("node07", 0, _START.format(r=0)) + "\n".join(lines) + "\n"
+    assert _got(write_log, text) == ("collective_timeout", "RESTART", [1], None)
+    only_kill = _prefixed("node07", 0, _START.format(r=0)) + lines[1] + "\n"
+    r = analyze_logs([write_log(only_kill)], job_ended=True)  # the kill alone: a teardown
+    assert (r.primary_category, r.decision) == ("unknown", "RESTART"), r.reason
+    assert "terminated" in r.reason, r.reason
 
 
 def test_hang_record_is_the_hang_category(write_log):
@@ -160,4 +193,5 @@ def test_record_skips_non_process_failures():
     res.fail(Failure(-1, "peer", "another node ended the round", 1))
     res.fail(Failure(0, "signal", "killed by signal SIGSEGV", 2, -11))
     assert record_lines("n1", res) == [
-        "n1:launcher: trainguard launcher: cycle 2: rank 0 killed by signal 11 (SIGSEGV)"]
+        ("n1:launcher: trainguard launcher: cycle 2: rank 0 killed by signal 11 (SIGSEGV) from "
+         "outside the launcher")]

@@ -31,6 +31,13 @@ _ROLES = {"root", "confirmation", "cascade", "exit", "benign", "teardown", "diag
 _DOMAINS = {"workload", "infrastructure", "unknown", "none"}
 _DECISIONS = {"RESTART", "RESTART_EXCLUDE_NODES", "STOP", "CONTINUE"}
 _WITHIN = {"loaded_checkpoint"}
+#: exit codes that mean "stopped by the launcher", not "failed by itself" (SIGTERM, 128+15, and
+#: DeepSpeed's -1 for a process it terminated)
+TEARDOWN_CODES = frozenset({-15, 143, -1})
+#: who sent a signal, as a launcher's exit record says (an exit row's ``sender`` group):
+#: ``launcher`` -- the launcher or its monitor (hang detection, teardown); ``outside`` -- not
+#: the launcher (an operator, a node agent, the kernel); a record that does not say: ``None``
+SENDERS = frozenset({"launcher", "outside"})
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class Registry:
     patterns: list[Pattern]
     progress: list[ProgressPattern]
     exit_codes: dict[int, str] = field(default_factory=dict)
+    signal_senders: dict[str, str] = field(default_factory=dict)
     triggers: tuple[bytes, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -87,6 +95,23 @@ class Registry:
                     seen.append(enc)
         # Drop triggers containing a shorter trigger: the shorter one already finds the line.
         self.triggers = tuple(t for t in seen if not any(o != t and o in t for o in seen))
+
+    def exit_category(self, code: int, sender: str | None = None) -> str | None:
+        """What one process exit means on its own: the single decision for every launcher.
+
+        ``None``: a teardown, not a failure -- the process was stopped (SIGTERM, 143, -1) or
+        the launcher's record says it sent the signal itself (``sender`` ``"launcher"``: its
+        hang detection or teardown; the record's own row then carries the cause). Otherwise the
+        category a failed exit gives when nothing else in the log says why: for a signal whose
+        sender the launcher's record names (``"outside"``: not the launcher), the registry's
+        ``signal_senders`` entry; else the ``exit_codes`` table by code (a SIGKILL with no
+        sender named: the host OOM killer's signature); else ``unknown``.
+        """
+        if code in TEARDOWN_CODES or sender == "launcher":
+            return None
+        if code < 0 and sender is not None and sender in self.signal_senders:
+            return self.signal_senders[sender]
+        return self.exit_codes.get(code, "unknown")
 
 
 def _bad(path: str, what: str) -> AttributionError:
@@ -164,7 +189,16 @@ def _build(doc: dict, path: str) -> Registry:
     bad = sorted(set(exit_codes.values()) - set(CATEGORIES))
     if bad:
         raise _bad(path, f"exit_codes map to unknown categories {bad}")
-    return Registry(cats, patterns, progress, exit_codes)
+    senders = {str(k): str(v) for k, v in (doc.get("signal_senders") or {}).items()}
+    bad = sorted(set(senders) - set(SENDERS - {"launcher"}))
+    if bad:
+        raise _bad(path, f"signal_senders has unknown sender(s) {bad}; use "
+                         f"{sorted(SENDERS - {'launcher'})} (a signal the launcher sent itself "
+                         "is a teardown, never a category)")
+    bad = sorted(set(senders.values()) - set(CATEGORIES))
+    if bad:
+        raise _bad(path, f"signal_senders map to unknown categories {bad}")
+    return Registry(cats, patterns, progress, exit_codes, senders)
 
 
 def load_registry(path: str | None = None, *, replace: bool = False) -> Registry:
@@ -186,7 +220,7 @@ def load_registry(path: str | None = None, *, replace: bool = False) -> Registry
     return _load(os.path.abspath(path) if path else None, bool(replace and path))
 
 
-_TOP_KEYS = {"categories", "patterns", "progress", "exit_codes"}
+_TOP_KEYS = {"categories", "patterns", "progress", "exit_codes", "signal_senders"}
 
 
 def _shipped_text() -> str:
@@ -224,7 +258,7 @@ def merge_registry_docs(base: dict, extra: dict, path: str) -> dict:
     if unknown:
         raise _bad(path, f"unknown top-level key(s) {unknown}; use {sorted(_TOP_KEYS)}")
     out = dict(base)
-    for key in ("categories", "exit_codes"):
+    for key in ("categories", "exit_codes", "signal_senders"):
         if extra.get(key) is not None:
             if not isinstance(extra[key], dict):
                 raise _bad(path, f"'{key}' must be a mapping")

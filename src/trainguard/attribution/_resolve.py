@@ -19,13 +19,12 @@ import re
 from dataclasses import dataclass, field
 
 from trainguard.attribution._context import LineContext
+from trainguard.attribution._registry import Registry
 from trainguard.attribution._scan import ExitEvent, Match, ScanState
 
 __all__ = ["Resolution", "resolve"]
 
 _IP = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-#: exit codes that mean "terminated by the launcher", not "failed by itself"
-_TEARDOWN_CODES = {-15, 143, -1}
 
 
 @dataclass
@@ -114,7 +113,7 @@ def _exit_rank(e: ExitEvent, state: ScanState) -> int | None:
     return None
 
 
-def resolve(state: ScanState) -> Resolution:
+def resolve(state: ScanState, reg: Registry) -> Resolution:
     """Resolve every pattern's printers and every exit report once.
 
     Takes time linear in the distinct (context, groups) pairs kept by the scan (at most 4096
@@ -134,7 +133,7 @@ def resolve(state: ScanState) -> Resolution:
     for e in state.exits:
         r = _exit_rank(e, state)
         res.exit_ranks.append(r)
-        if e.code in _TEARDOWN_CODES:
+        if reg.exit_category(e.code, e.sender) is None:  # stopped, not failed by itself
             continue
         if r is not None:
             res.failed_ranks.add(r)

@@ -87,6 +87,9 @@ class ExitEvent:
     launcher names the failed process itself (torchrun's failure record, mpirun, ``mp.spawn``),
     never from launchers that always print the last spawned rank (DeepSpeed, torch 1.x
     ``launch.py``); ``task`` is an srun task number, ``pid``/``local_rank`` torchrun's.
+    ``sender`` is who sent the killing signal where the launcher's record says it (``launcher``
+    or ``outside``, see ``_registry.SENDERS``), else ``None``; what the exit means is decided
+    once, by :meth:`Registry.exit_category`.
     """
 
     order: tuple[int, int]
@@ -97,6 +100,7 @@ class ExitEvent:
     local_rank: int | None = None
     pid: int | None = None
     node: str | None = None
+    sender: str | None = None
 
 
 @dataclass
@@ -365,9 +369,12 @@ def _exit_event(m: Match, state: ScanState) -> None:
     if code == 0 or len(state.exits) >= _MAX_EXITS:
         return
     num = {k: int(g[k]) for k in ("rank", "task", "local_rank", "pid") if g.get(k)}
+    sender = g.get("sender")
     state.exits.append(ExitEvent(m.order, code, m.pattern.id, num.get("rank"), num.get("task"),
                                  num.get("local_rank"), num.get("pid"),
-                                 g.get("node") or m.ctx.node))
+                                 g.get("node") or m.ctx.node,
+                                 None if not sender else
+                                 "outside" if "outside" in sender.lower() else "launcher"))
 
 
 def _side_facts(m: Match, state: ScanState) -> None:

@@ -18,10 +18,11 @@ Selection, first that applies:
 2. a completion marker with no failed exit after it: ``completed``;
 3. weak evidence and cascades (0 < score < 20): the earliest, so a collective timeout with
    nothing deeper becomes the primary and an abort after it stays its teardown;
-4. failed process exits reported by any launcher: the earliest, category from its code/signal
-   (``exit_codes``), so a job whose launcher reports a failed exit never gets ``in_progress``;
-   a process only terminated (SIGTERM, 143) is not a culprit, but a log that reports one is not
-   ``in_progress`` either: ``unknown``;
+4. failed process exits reported by any launcher: the earliest, category from
+   :meth:`Registry.exit_category` (its code, or who sent its signal where the launcher's record
+   says it), so a job whose launcher reports a failed exit never gets ``in_progress``; a process
+   only stopped (SIGTERM, 143, a signal the launcher sent itself) is not a culprit, but a log
+   that reports one is not ``in_progress`` either: ``unknown``;
 5. a teardown line (ChildFailedError, ActorDiedError, a step being terminated, a Python
    traceback) with no progress after it: ``unknown`` -- a job being torn down is never
    ``in_progress``;
@@ -57,7 +58,6 @@ __all__ = ["build_result"]
 _UNREADABLE = ("no input file looks like a text log (see warnings), so nothing could be "
                "attributed and no automatic restart should rest on it; check the log paths")
 _STRONG = 20.0
-_TEARDOWN_CODES = {-15, 143, -1}
 _CANCEL = "user_cancelled"
 _NATIVE = "framework_crash"  # a process's own view of a device fault it cannot name
 
@@ -119,8 +119,10 @@ def _select(state: ScanState, ev: _Evidence,
     if ev.failed:
         first = min(ev.failed, key=lambda e: e.order)
         exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
-        return ev.reg.exit_codes.get(first.code, "unknown"), exits[:1], \
-            f"only a launcher's report of a failed process exit (code {first.code})"
+        sent = {"outside": ", its signal sent from outside the launcher",
+                "launcher": ", its signal sent by the launcher"}.get(first.sender or "", "")
+        return ev.reg.exit_category(first.code, first.sender) or "unknown", exits[:1], \
+            f"only a launcher's report of a failed process exit (code {first.code}{sent})"
     if state.exits:  # only terminations (SIGTERM): whatever ran is not running any more
         first = min(state.exits, key=lambda e: e.order)
         exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
@@ -150,8 +152,8 @@ def _primary_ids(state: ScanState, category: str, chosen: list[Match]) -> list[s
             if ms and ms[0].pattern.category == category and ms[0].pattern.role in roles]
 
 
-def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, category: str,
-                   ids: list[str]) -> list[int] | None:
+def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, failed: list[ExitEvent],
+                   category: str, ids: list[str]) -> list[int] | None:
     if not reg.categories[category].ranks:
         return None
     if category == "collective_timeout":
@@ -162,7 +164,7 @@ def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, category: s
         # ranks are placed on hosts when a launcher or a prefix said where a rank ran
         placed = bool(state.rank_host) or any(e.node for e in state.exits)
         if not ranks and nodes and placed:  # a node's fault names no rank: ranks failing on it
-            return _sorted_or_none(res, _failed_on(state, res, nodes)
+            return _sorted_or_none(res, _failed_on(state, res, failed, nodes)
                                    or _ranks_on(state, res, nodes))
         if not ranks and reg.categories[category].nodes:  # unplaced: a rank's native crash
             ranks = _native_crash_ranks(state, res)
@@ -177,10 +179,11 @@ def _sorted_or_none(res: Resolution, ranks: set[int]) -> list[int] | None:
     return sorted(ranks)
 
 
-def _failed_on(state: ScanState, res: Resolution, nodes: set[str]) -> set[int]:
-    """Ranks whose own process a launcher reports failed on one of ``nodes``."""
+def _failed_on(state: ScanState, res: Resolution, failed: list[ExitEvent],
+               nodes: set[str]) -> set[int]:
+    """Ranks whose own process a launcher reports failed (in ``failed``) on one of ``nodes``."""
     return {r for e, r in zip(state.exits, res.exit_ranks) if r is not None
-            and e.code not in _TEARDOWN_CODES and e.node is not None and e.node in nodes}
+            and e in failed and e.node is not None and e.node in nodes}
 
 
 def _native_crash_ranks(state: ScanState, res: Resolution) -> set[int]:
@@ -289,8 +292,8 @@ def _confidence(chosen: list[Match], category: str, ids: list[str]) -> int:
 
 def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> AnalysisResult:
     """Turn a finished scan into an :class:`AnalysisResult` (decision from category policy)."""
-    res = resolve(state)
-    failed = [e for e in state.exits if e.code not in _TEARDOWN_CODES]
+    res = resolve(state, reg)
+    failed = [e for e in state.exits if reg.exit_category(e.code, e.sender) is not None]
     unreadable = bool(state.non_text) and len(state.non_text) == state.nonempty
     chosen: list[Match]
     if unreadable:  # matches in binary data are noise; nothing can be attributed
@@ -300,7 +303,7 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     cat = reg.categories[category]
     domain = chosen[0].pattern.domain if chosen and chosen[0].pattern.domain else cat.domain
     ids = _primary_ids(state, category, chosen)
-    ranks = _culprit_ranks(state, reg, res, category, ids)
+    ranks = _culprit_ranks(state, reg, res, failed, category, ids)
     nodes = sorted(res.nodes_of(ids)) if cat.nodes else []
     if cat.nodes and not nodes and chosen and chosen[0].pattern.domain == "unknown":
         nodes = sorted(state.endpoints)  # an unreachable store the error line does not name

@@ -2,15 +2,22 @@
 
 The workers' output says nothing when a rank is SIGKILLed or stopped as hung; the launcher
 knows. After a failed cycle it appends one line per failed rank to ``cycle_<N>.log``, with the
-prefix ``{node}:launcher: `` (the analyser's prefix layer takes the node from it and no rank)::
+prefix ``{node}:launcher: `` (the analyser's prefix layer takes the node from it and no rank);
+after that prefix::
 
-    node07:launcher: trainguard launcher: cycle 0: rank 1 exited with exitcode 1
-    node07:launcher: trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL)
-    node07:launcher: trainguard launcher: cycle 0: rank 1 killed as hung after 5 s (heartbeat: ...)
+    trainguard launcher: cycle 0: rank 1 exited with exitcode 1
+    trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL) from outside the launcher
+    trainguard launcher: cycle 0: rank 1 killed as hung after 5 s (heartbeat: ...)
+    trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL) by the launcher (hang
+    detection)   [one line]
 
-``trainguard.attribution``'s registry reads these rows (``trainguard_rank_exit``,
-``trainguard_rank_signal``, ``trainguard_rank_hung``). Follows: torchelastic's per-rank failure
-summary (``ChildFailedError``), one line per rank instead of a table.
+A signal line says who sent it: ``from outside the launcher`` when the rank died while the cycle
+was still running (the launcher and its rank monitors had sent nothing), ``by the launcher (hang
+detection)`` when the rank's monitor had reported it hung (the monitor's SIGKILL, raced with the
+report). ``trainguard.attribution``'s registry reads these rows (``trainguard_rank_exit``, whose
+``sender`` feeds ``Registry.exit_category``, and ``trainguard_rank_hung``). Follows:
+torchelastic's per-rank failure summary (``ChildFailedError``), one line per rank instead of a
+table; unlike it, the record names the signal's sender.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ __all__ = ["append_record", "record_lines"]
 PREFIX = "trainguard launcher"
 
 
-def _line(cycle: int, failure: Failure, hang_timeouts: dict[int, float]) -> str | None:
+def _line(cycle: int, failure: Failure, hang_timeouts: dict[int, float],
+          hung: set[int]) -> str | None:
     head = f"{PREFIX}: cycle {cycle}: rank {failure.rank}"
     if failure.kind == "hang":
         after = hang_timeouts.get(failure.rank)
@@ -40,7 +48,9 @@ def _line(cycle: int, failure: Failure, hang_timeouts: dict[int, float]) -> str 
             name = signal.Signals(-code).name
         except ValueError:
             name = "unknown signal"
-        return f"{head} killed by signal {-code} ({name})"
+        sender = "by the launcher (hang detection)" if failure.rank in hung \
+            else "from outside the launcher"
+        return f"{head} killed by signal {-code} ({name}) {sender}"
     return f"{head} exited with exitcode {code}"
 
 
@@ -52,9 +62,10 @@ def record_lines(node: str, res: CycleResult,
     for cycle, rank, _, msg in hang_events or ():
         if cycle == res.cycle and isinstance(msg.get("timeout_s"), (int, float)):
             timeouts.setdefault(rank, float(msg["timeout_s"]))
+    hung = {f.rank for f in res.failures if f.kind in ("hang", "no_client")}
     out = []
     for failure in sorted(res.failures, key=lambda f: f.at_ns):
-        line = _line(res.cycle, failure, timeouts)
+        line = _line(res.cycle, failure, timeouts, hung)
         if line is not None:
             out.append(f"{node}:launcher: {line}")
     return out
