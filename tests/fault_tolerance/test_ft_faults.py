@@ -21,6 +21,10 @@ def test_crash_restarts_every_worker_and_names_the_root_cause(launch, fault, det
     log0, log1 = r.cycle_log(0), r.cycle_log(1)
     assert f":1: inject {fault}" in log0
     assert ":0: done rank=0" in log1 and ":1: done rank=1" in log1  # both ranks restarted
+    if fault in ("sigkill", "segv"):  # the record (same file as the ranks' output) names the
+        # sender: the rank's own signal did not come from the launcher
+        assert ":launcher: trainguard launcher: cycle 0: rank 1 killed by signal " in log0, log0
+        assert "from outside the launcher\n" in log0 and "by the launcher" not in log0, log0
 
 
 @pytest.mark.parametrize("fault", ["hang_c", "hang_gil", "sigstop"])
@@ -29,6 +33,9 @@ def test_hang_is_detected_without_code_changes_and_stacks_are_dumped(launch, fau
     assert r.rc == 0, r
     assert "rank 1 hang detected (auto_heartbeat" in r.err, r
     log0 = r.cycle_log(0)
+    # the launcher's record: its own hang detection stopped rank 1, never an outside kill
+    assert ":launcher: trainguard launcher: cycle 0: rank 1 killed as hung after 2 s" in log0, log0
+    assert "from outside the launcher" not in log0, log0
     if fault != "sigstop":  # a stopped rank dumps once continued; the kill may come first
         assert "ft_worker.py" in log0 and ("Thread" in log0 or "Stack" in log0), log0[-3000:]
     assert ":1: done rank=1" in r.cycle_log(1)

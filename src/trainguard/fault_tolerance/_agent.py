@@ -137,6 +137,11 @@ class Launcher:
         return os.path.join(tempfile.gettempdir(),
                             f"tg_ft_{os.getpid()}_{self.launch_id[-6:]}_{local_rank}.sock")
 
+    def cycle_log(self, cycle: int) -> str:
+        """``<run_dir>/cycle_<N>.log``: every rank's output of ``cycle`` (see ``_logs``), then
+        the launcher's record (``_attr_record``); what attribution reads."""
+        return os.path.join(self.run_dir, f"cycle_{cycle}.log")
+
     def error_file(self, cycle: int, local_rank: int) -> str:
         return os.path.join(self.run_dir, f"attempt_{cycle}", str(local_rank), "error.json")
 
@@ -423,7 +428,7 @@ class Launcher:
             s.reset(cycle)
         held, port, store_port = self._reserve_ports()
         self.store_port = store_port
-        self.pump.open_cycle(os.path.join(self.run_dir, f"cycle_{cycle}.log"))
+        self.pump.open_cycle(self.cycle_log(cycle))
         t0 = time.monotonic()
         workers: list[Worker] = []
         self.liveness.enter(LauncherState.RUNNING, cycle, wait_s=30.0)  # spawning

@@ -33,7 +33,7 @@ def read_iteration(path: str) -> int | None:
 def _attribute(launcher: Launcher, res: CycleResult) -> str:
     """The attribution decision for this cycle's log ('' when unavailable)."""
     ft = launcher.spec.ft
-    log = os.path.join(launcher.run_dir, f"cycle_{res.cycle}.log")
+    log = launcher.cycle_log(res.cycle)
     if not ft.attribution or not os.path.isfile(log) or os.path.getsize(log) == 0:
         return ""
     try:
@@ -92,8 +92,7 @@ def after_failure(launcher: Launcher, res: CycleResult) -> int | None:
     if root is not None:
         _log.error("cycle %d failed: rank %d %s", res.cycle, root.rank, root.detail)
     try:  # what the launcher knows (exit codes, signals, hangs) goes into what attribution reads
-        append_record(os.path.join(launcher.run_dir, f"cycle_{res.cycle}.log"), launcher.node,
-                      res, launcher.hang_events)
+        append_record(launcher.cycle_log(res.cycle), launcher.node, res, launcher.hang_events)
     except OSError as exc:
         _log.warning("cycle %d: cannot append the launcher record: %s", res.cycle, exc)
     if ft.attribution_stop_action == "no-restart":
