@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from trainguard._core.clock import wait_until
+from trainguard._core.net import free_port
 from trainguard._core.procs import terminate_processes
 from trainguard.fault_tolerance._healthport import HealthServer, LauncherState, Liveness
 from trainguard.fault_tolerance.errors import LaunchConfigError
@@ -141,3 +142,28 @@ def test_probe_stays_200_through_a_crash_and_restart(tmp_path, port):
     assert all(s[0] in (200, None) for s in seen[stop_at:]), seen
     states = [(state, cycle) for _, state, cycle in seen]
     assert ("running", 0) in states and ("running", 1) in states, sorted(set(states))
+
+
+def test_identity_error_in_the_constructor_releases_the_health_port(tmp_path, port):
+    """A multi-node launcher whose identity cannot be resolved (here: a spec built without the
+    CLI's validation, naming an unknown store type) fails in its constructor after the base
+    opened the health port, the log pump and the wake pipe: all of them are closed again, so the
+    port can be bound at once and no launcher thread is left."""
+    import dataclasses
+    import threading
+
+    from trainguard.fault_tolerance._args import parse_launch_args
+    from trainguard.fault_tolerance._multinode import MultiNodeLauncher
+
+    spec = parse_launch_args(["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                              "--health-port", str(port), "--log-dir", str(tmp_path),
+                              "--ft-attribution", "false", sys.executable])
+    bad = dataclasses.replace(spec, rdzv_conf=(("store_type", "etcd"),))
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LaunchConfigError, match="store_type=etcd"):
+        MultiNodeLauncher(bad)
+    with socket.socket() as sock:  # the health port is free again (no SO_REUSEADDR)
+        sock.bind(("0.0.0.0", port))
+    names = {t.name for t in threading.enumerate()}
+    assert not names & {"tg-launch-health", "tg-launch-logs"}, names
+    assert len(os.listdir("/proc/self/fd")) == fds  # wake pipe and pump pipes closed

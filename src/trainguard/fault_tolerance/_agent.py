@@ -8,6 +8,7 @@ Any failure or hang in a cycle stops every worker and starts the next cycle, up 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -85,35 +87,31 @@ class Launcher:
 
     def __init__(self, spec: LaunchSpec) -> None:
         """Raises LaunchConfigError: a ``--ft-health-check`` hook cannot be loaded or the
-        ``--health-port`` cannot be bound (nothing is left open then)."""
+        ``--health-port`` cannot be bound (nothing is left open then: :meth:`_undo_on_error`)."""
         self.spec = spec
         self.node = socket.gethostname().split(".")[0]
         self.launch_id = f"{spec.run_id}-{os.getpid()}-{secrets.token_hex(3)}"
         self.run_dir = os.path.abspath(os.path.join(spec.log_dir, spec.run_id)) if spec.log_dir \
             else tempfile.mkdtemp(prefix=f"trainguard_{spec.run_id}_")
         self._own_run_dir = not spec.log_dir  # a temp dir of ours: removed again if left empty
-        try:
+        self.health_server: HealthServer | None = None
+        with self._undo_on_error():
             self.health_checks: list[HealthCheck] = launch_checks(
                 spec.health_check, self._health_dirs(), spec.nproc_per_node)
-        except BaseException:
-            self.drop_empty_run_dir()
-            raise
         # the loop ticks at least every --monitor-interval; stale after two missed ticks (>= 1 s)
         self.liveness = Liveness(max(1.0, 2 * spec.monitor_interval_s))
         self.liveness.info = {"pid": os.getpid(), "run_id": spec.run_id,
                               "node_rank": spec.node_rank}
         self.liveness.enter(LauncherState.RENDEZVOUS, 0, wait_s=_SETUP_WAIT_S)
-        try:
-            self.health_server = HealthServer(self.liveness, spec.health_port) \
-                if spec.health_port is not None else None
-        except BaseException:
-            self.drop_empty_run_dir()
-            raise
+        with self._undo_on_error():
+            if spec.health_port is not None:
+                self.health_server = HealthServer(self.liveness, spec.health_port)
         self.slots: list[Slot] = []
         self.monitors: list[_MonitorHandle] = []
         self.server: ForkServer | None = None
-        self.pump = LogPump(self.node)
-        self.wake_r, self.wake_w = os.pipe()
+        with self._undo_on_error():  # out of threads or descriptors: the health port is closed
+            self.pump = LogPump(self.node)
+            self.wake_r, self.wake_w = os.pipe()
         self._signals: list[int] = []
         self._old_handlers: dict[int, Any] = {}
         self.hang_events: list[tuple[int, int, int, dict[str, Any]]] = []
@@ -128,6 +126,33 @@ class Launcher:
         self.cold_reason = ""
         self.store_port = 0
         self.background: list[threading.Thread] = []
+
+    @contextlib.contextmanager
+    def _undo_on_error(self) -> Iterator[None]:
+        """Wrap one constructor step (this class's or a subclass's): when it raises anything,
+        close what the constructor had opened so far, then re-raise. The one place a failed
+        start cleans up; blocks at most ~4.5 s (the health port's and the log pump's joins)."""
+        try:
+            yield
+        except BaseException:
+            self._close_opened()
+            raise
+
+    def _close_opened(self) -> None:
+        """Close what the constructor opened, in reverse: the log pump (its thread and pipes),
+        the wake pipe, the ``--health-port`` listener (the port is free again afterwards), an
+        empty temporary run dir. Safe on a half-built launcher and idempotent."""
+        pump = self.__dict__.pop("pump", None)
+        if pump is not None:
+            pump.close()
+        for name in ("wake_r", "wake_w"):
+            fd = self.__dict__.pop(name, None)
+            if fd is not None:
+                os.close(fd)
+        server, self.health_server = self.__dict__.get("health_server"), None
+        if server is not None:
+            server.close()
+        self.drop_empty_run_dir()
 
     # -- small helpers used by _cycle ---------------------------------------------------
     def rank_of(self, local_rank: int) -> int:

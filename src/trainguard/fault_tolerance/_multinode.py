@@ -62,11 +62,8 @@ class MultiNodeLauncher(Launcher):
     def __init__(self, spec: LaunchSpec, health_checks: Sequence[HealthCheck] = (),
                  identity: NodeIdentity | None = None) -> None:
         super().__init__(spec)
-        try:
+        with self._undo_on_error():  # closes the health port, log pump, pipes the base opened
             self.identity = identity or resolve_identity(spec, os.environ)
-        except BaseException:
-            self.drop_empty_run_dir()
-            raise
         self.join_probes: list[HealthCheck] = list(health_checks) or (
             [as_probe(self.health_checks, spec.health_check_timeout_s)]
             if self.health_checks else [])
