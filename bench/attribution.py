@@ -9,8 +9,9 @@ ran on them (``heldout_unshared_set``: the 30 of them whose report no earlier se
 ``heldout2_set``, 36 more logs from reports no earlier set used, labelled twice and reconciled
 before the analyser first ran on them (issue 12, third round); ``heldout3_set``, 34 more, the
 same way (fourth round); ``heldout4_set``, 35 more, the same way (fifth round);
-``heldout5_set``, 38 more, the same way (sixth round). The first, held-apart scores of the last
-six are in their READMEs;
+``heldout5_set``, 38 more, the same way (sixth round); every later ``heldoutN`` folder with a
+``labels.json`` is found by :func:`heldout_sets` and reported as ``heldoutN_set``. The first,
+held-apart scores of these sets are in their READMEs;
 rules changed after that, so these figures are no longer held apart.
 
 Throughput: the engine runs ``--repeat`` times in a fresh process on the generated log;
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -193,6 +195,18 @@ def _first_match(reg, path: Path) -> str:
     return "unknown"
 
 
+def heldout_sets(root: Path = DATA) -> list[tuple[str, str, str]]:
+    """Every held-apart set under ``root``: a folder ``heldout`` or ``heldoutN`` holding a
+    ``labels.json``, as ``(key, folder, split)`` in number order (``heldout`` is the first);
+    the key ``heldoutN_set`` names its figures, the split is the folder's name."""
+    found = []
+    for folder in root.glob("heldout*"):
+        m = re.fullmatch(r"heldout(\d*)", folder.name)
+        if m and (folder / "labels.json").is_file():
+            found.append((int(m.group(1) or 1), folder.name))
+    return [(f"{name}_set", name, name) for _, name in sorted(found)]
+
+
 def _earlier_sources() -> set[str]:
     return {lab["source"] for d in ("corpus", "fresh")
             for lab in json.loads((DATA / d / "labels.json").read_text())}
@@ -281,10 +295,7 @@ def main() -> int:
         acc = bench_accuracy()
         sets = {name: bench_accuracy(folder, split) for name, folder, split in (
             ("dev_set", "corpus", "dev"), ("test_set", "corpus", "test"),
-            ("fresh_set", "fresh", "fresh"), ("heldout_set", "heldout", "heldout"),
-            ("heldout2_set", "heldout2", "heldout2"), ("heldout3_set", "heldout3", "heldout3"),
-            ("heldout4_set", "heldout4", "heldout4"), ("heldout5_set", "heldout5", "heldout5"),
-            ("heldout6_set", "heldout6", "heldout6"))}
+            ("fresh_set", "fresh", "fresh"), *heldout_sets())}
         sets["heldout_unshared_set"] = bench_accuracy("heldout", "heldout", unshared=True)
         svc_s = bench_service(tmp, args.repeat)
     finally:

@@ -50,3 +50,26 @@ def test_bench_attribution_smoke():
                  "heldout6_set", "fresh_set"):
         assert figures[f"{name}_category_accuracy"] >= 0.9, figures
         assert figures[f"{name}_decision_accuracy"] >= 0.9, figures
+
+
+def test_bench_finds_every_held_apart_set_by_folder(tmp_path):
+    """The benchmark lists no set by hand: each ``heldout``/``heldoutN`` folder with labels is a
+    set, in number order, keyed ``heldoutN_set`` (the JSON keys stay as before)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tg_bench_attribution", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # defines functions only; main() runs under __main__
+    heldout_sets = bench.heldout_sets
+    shipped = heldout_sets()
+    assert [k for k, _, _ in shipped][:6] == ["heldout_set", "heldout2_set", "heldout3_set",
+                                               "heldout4_set", "heldout5_set", "heldout6_set"]
+    for name in ("heldout", "heldout2", "heldout10", "heldout7", "heldout_notes", "heldout9"):
+        (tmp_path / name).mkdir()
+        if name != "heldout9":  # no labels: not a set
+            (tmp_path / name / "labels.json").write_text("[]")
+    assert heldout_sets(tmp_path) == [("heldout_set", "heldout", "heldout"),
+                                      ("heldout2_set", "heldout2", "heldout2"),
+                                      ("heldout7_set", "heldout7", "heldout7"),
+                                      ("heldout10_set", "heldout10", "heldout10")]
