@@ -76,6 +76,42 @@ def test_runner_failure_wordings_are_not_completion(write_log, line):
     assert _got(write_log(text))[0] != "completed"
 
 
+#: one line per completion wording the registry's completion row names (its comment and the
+#: runners above)
+_COMPLETIONS = [
+    "submitit INFO (2024-03-01 10:00:00,000) - Job completed successfully",
+    "State: COMPLETED (exit code 0)", "State : COMPLETED", "Successfully completed.",
+    "Trial TorchTrainer_3f1a2_00000 completed after 10 iterations at 2024-03-01 10:00:00.",
+    "Job 'raysubmit_Xk3fB2' succeeded", "`Trainer.fit` stopped: `max_steps=100` reached.",
+    "Training completed.", "100 epochs completed in 0.523 hours.", "Training is done!",
+    "Training has finished", "training finished", "max training steps reached, stopping training",
+    "Finished training in 12.3s", "Saving final model to /out", "Training time 0:12:03",
+]
+
+
+@pytest.mark.parametrize("line", _COMPLETIONS)
+def test_completion_wordings_pass_the_narrow_triggers(line):
+    from trainguard.attribution._registry import load_registry
+
+    row = next(p for p in load_registry().patterns if p.id == "completion")
+    assert any(t in line.lower() for t in row.triggers) and row.regex.search(line), line
+
+
+@pytest.mark.parametrize("line", [
+    "iteration 10 completed | allreduce completed in 3 ms",
+    "[rank0] step 200: forward completed, loss 1.23",
+    "Epoch 3 completed. Validation started",
+])
+def test_a_bare_completed_is_not_even_looked_at(write_log, line):
+    """The completion row has no bare " completed" trigger: an ordinary progress line never goes
+    through its long regex (scan time), and the job stays in progress."""
+    from trainguard.attribution._registry import load_registry
+
+    row = next(p for p in load_registry().patterns if p.id == "completion")
+    assert not any(t in line.lower() for t in row.triggers), row.triggers
+    assert _got(write_log(_EPOCH + line + "\n" + _EPOCH))[:2] == ("in_progress", "CONTINUE")
+
+
 def test_p27_submitit_completed():
     assert _got(HELD4 / "p27.log") == ("completed", "STOP", None, None)
 
