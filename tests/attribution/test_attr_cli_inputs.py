@@ -85,3 +85,50 @@ def test_pipeline_needs_some_input():
 
     with pytest.raises(LogInputError, match="nothing to analyse"):
         analyze([])
+
+
+#: torchrun's failure summary (the ``ChildFailedError`` record written from the ranks'
+#: ``error.json``): rank 1 on host node-03
+_RECORD = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2024-05-01_10:00:00
+  host      : node-03
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 4242)
+  error_file: /tmp/torchelastic_x/attempt_0/1/error.json
+  traceback : Traceback (most recent call last):
+============================================================
+"""
+
+
+def test_analyze_names_the_host_from_torchruns_record(tmp_path, capsys):
+    """The record names where rank 1 ran: ``trainguard analyze`` shows it (and the JSON carries
+    it as ``culprit_hosts``) instead of ``nodes: None``; a code fault still excludes no node."""
+    log = tmp_path / "job.log"
+    log.write_text("epoch 0 step 10 loss 1.0\n" + OOM + _RECORD)
+    assert main(["analyze", "--json", str(log)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["primary_category"], out["culprit_ranks"]) == ("cuda_oom", [1]), out
+    assert out["culprit_hosts"] == ["node-03"] and out["culprit_nodes"] is None, out
+    assert main(["analyze", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert "nodes: ['node-03']" in text and "nodes: None" not in text, text
+    no_host = tmp_path / "plain.log"  # no record: nothing to name
+    no_host.write_text("epoch 0 step 10 loss 1.0\n" + OOM)
+    assert main(["analyze", "--json", str(no_host)]) == 0
+    assert json.loads(capsys.readouterr().out)["culprit_hosts"] is None
+
+
+def test_a_network_fault_named_by_rank_is_placed_on_the_records_host(tmp_path):
+    """A network fault (a category whose culprits include nodes) that the fault line places on
+    rank 1 only: the record's host is the culprit node."""
+    log = tmp_path / "net.log"
+    log.write_text("epoch 0 step 10 loss 1.0\n[rank1]: RuntimeError: NCCL error: unhandled "
+                   "system error, NCCL version 2.18.1\n" + _RECORD)
+    out = analyze([log])
+    assert (out["primary_category"], out["culprit_ranks"]) == ("network", [1]), out
+    assert out["culprit_nodes"] == ["node-03"] == out["culprit_hosts"], out

@@ -132,8 +132,11 @@ def _print_report(out: dict[str, Any]) -> None:
     if "evidence" in out:  # a log analysis
         con.print(f"[bold]Root cause:[/bold] {out['primary_category']} "
                   f"([italic]{out['failure_domain']}[/italic]), confidence {out['confidence']}")
-        if out["culprit_ranks"] or out["culprit_nodes"]:
-            con.print(f"  ranks: {out['culprit_ranks']}  nodes: {out['culprit_nodes']}")
+        hosts = out.get("culprit_hosts")
+        if out["culprit_ranks"] or out["culprit_nodes"] or hosts:
+            nodes = out["culprit_nodes"] or (f"{hosts} (where it ran; not at fault)" if hosts
+                                             else None)
+            con.print(f"  ranks: {out['culprit_ranks']}  nodes: {escape(str(nodes))}")
         if out["evidence"]:
             table = Table("file:line", "role", "text", show_lines=False)
             for ev in out["evidence"]:

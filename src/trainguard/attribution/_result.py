@@ -74,6 +74,10 @@ class AnalysisResult:
     reason: str = ""
     flight_recorder: dict[str, Any] | None = None
     flagged_inputs: list[str] = field(default_factory=list)  # inputs not read as text logs
+    #: where the culprit ranks ran, as a launcher placed them (torchrun's failure record ``host :
+    #: node-03``, a ``[node-01] [rank3]:`` prefix); unlike ``culprit_nodes`` not a verdict against
+    #: those hosts (a code exception on node-03 is not node-03's fault)
+    culprit_hosts: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.reason:
@@ -106,6 +110,7 @@ class AnalysisResult:
         out = {
             "primary_category": self.primary_category, "failure_domain": self.failure_domain,
             "culprit_ranks": self.culprit_ranks, "culprit_nodes": self.culprit_nodes,
+            "culprit_hosts": self.culprit_hosts,
             "cascade_categories": self.cascade_categories, "decision": self.decision,
             "reason": self.reason, "recommendation": self.recommendation,
             "confidence": self.confidence, "fingerprint": self.fingerprint,

@@ -243,6 +243,18 @@ def _hosts_of(state: ScanState, ranks: list[int] | None) -> list[str]:
     return sorted({state.rank_host[r] for r in ranks})
 
 
+def _culprit_hosts(state: ScanState, ranks: list[int] | None,
+                   failed: list[ExitEvent]) -> list[str] | None:
+    """Where the failure happened, as the launchers placed it (not a verdict against a host):
+    the hosts of the culprit ``ranks`` when every one is placed (torchrun's failure record
+    ``host : node-03`` / ``rank : 1``); with no culprit ranks named, the hosts the launchers'
+    failed-exit reports name (the same record, ``trainguard launch``'s ``node07:launcher:``
+    lines); else nothing."""
+    if ranks:
+        return _hosts_of(state, ranks) or None
+    return sorted({e.node for e in failed if e.node}) or None
+
+
 def _laggards(state: ScanState) -> set[int]:
     """Ranks behind their peers: a lower last-enqueued collective, or named by gloo."""
     named = {int(v) for ms in state.matches.values() for m in ms for k, v in m.groups
@@ -333,4 +345,5 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
         last_checkpoint_step=state.last_checkpoint[1] if state.last_checkpoint else None,
         checkpoint_saved=state.last_checkpoint is not None,
         files=list(state.files), warnings=list(state.warnings), flagged_inputs=flagged,
-        bytes_read=state.bytes_read, lines=state.lines)
+        bytes_read=state.bytes_read, lines=state.lines,
+        culprit_hosts=_culprit_hosts(state, ranks, failed))
