@@ -72,6 +72,7 @@ def test_launcher_helper_calls_the_pipeline(tmp_path, monkeypatch):
     """The launcher's in-process attribution goes through ``analyze`` with job_ended=True."""
     from trainguard import attribution
     from trainguard.fault_tolerance import _report
+    from trainguard.fault_tolerance._agent import Launcher
 
     calls: list[tuple] = []
     real = attribution.analyze
@@ -88,5 +89,6 @@ def test_launcher_helper_calls_the_pipeline(tmp_path, monkeypatch):
     launcher = SimpleNamespace(spec=SimpleNamespace(ft=SimpleNamespace(attribution=True,
                                                                        attrsvc_url="")),
                                run_dir=str(run_dir))
+    launcher.cycle_log = lambda cycle: Launcher.cycle_log(launcher, cycle)  # type: ignore[arg-type]
     assert _report._attribute(launcher, SimpleNamespace(cycle=0)) == "STOP"  # type: ignore[arg-type]
     assert len(calls) == 1 and calls[0][1] == {"job_ended": True}
