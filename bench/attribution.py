@@ -15,7 +15,9 @@ held-apart scores of these sets are in their READMEs;
 rules changed after that, so these figures are no longer held apart.
 
 Throughput: the engine runs ``--repeat`` times in a fresh process on the generated log;
-min/median/max are reported (wall and per CPU second: the machine may be loaded).
+min/median/max are reported (wall and per CPU second: the machine may be loaded). A second,
+smaller log (``--completed-mb``) says " completed" on every progress line without completing:
+what a broad trigger costs (``--baseline-src`` times an older tree on it too).
 
 Baselines:
   * log engine: a naive analyser that runs every registry regex on every line (no triggers);
@@ -23,7 +25,7 @@ Baselines:
   * accuracy: "first failure-looking line wins" (registry rows without tiers or roles).
 
 Usage: python bench/attribution.py [--log-mb 200] [--repeat 5] [--naive-mb 2]
-                                   [--baseline-src DIR]
+                                   [--completed-mb 5] [--baseline-src DIR]
 Prints a table, then exactly one JSON line of figures.
 """
 
@@ -101,6 +103,25 @@ def generate_log(path: Path, target_mb: int, world: int = 16) -> int:
                     f"collective operation timeout: WorkNCCL(SeqNum={it}, OpType=ALLREDUCE, "
                     f"NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600021 ms\n"
                 )
+    return path.stat().st_size
+
+
+def generate_completed_log(path: Path, target_mb: float, world: int = 16) -> int:
+    """A ``target_mb`` MB log whose every progress line says " completed" without being a
+    completion ("iteration N completed | allreduce completed in 3.1 ms"), ending in rank 5's
+    OOM: the cost of a broad trigger (every such line goes through the registry)."""
+    target = int(target_mb * 1_000_000)
+    written, it = 0, 0
+    with open(path, "w") as fh:
+        while written < target:
+            it += 1
+            text = "".join(f"[rank{r}]: iteration {it:9d} completed | allreduce completed in "
+                           f"3.1 ms | lm loss: {2.0 + (it % 101) / 100:.6E} | grad norm: 0.512 |\n"
+                           for r in range(world))
+            fh.write(text)
+            written += len(text)
+        fh.write("[rank5]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 "
+                 "GiB\n")
     return path.stat().st_size
 
 
@@ -271,6 +292,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log-mb", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--completed-mb", type=float, default=5.0,
+                    help="MB of the log whose lines all say ' completed' (see "
+                         "generate_completed_log)")
     ap.add_argument("--naive-mb", type=float, default=2.0,
                     help="MB of the log the (slow) naive baseline reads")
     ap.add_argument("--baseline-src", metavar="DIR",
@@ -290,6 +314,13 @@ def main() -> int:
             if args.baseline_src:
                 old_runs.append(bench_engine(log, args.baseline_src))
         eng = min(runs, key=lambda r: r["s"])  # the verdict is the same in every run
+        comp = tmp / "completed.log"
+        comp_mb = generate_completed_log(comp, args.completed_mb) / 1e6
+        comp_runs, comp_old = [], []
+        for _ in range(max(1, args.repeat)):
+            comp_runs.append(bench_engine(comp))
+            if args.baseline_src:
+                comp_old.append(bench_engine(comp, args.baseline_src))
         naive_mbs = bench_naive(log, args.naive_mb)
         fr_s, fr_base_s, fr_found = bench_fr(args.repeat)
         acc = bench_accuracy()
@@ -330,6 +361,11 @@ def main() -> int:
     table.add_row(
         "verdict on generated log", f"{eng['cat']} ranks {eng['ranks']}", "-", "cuda_oom [5]"
     )
+    comp_mbs = statistics.median(comp_mb / r["s"] for r in comp_runs)
+    comp_old_mbs = statistics.median(comp_mb / r["s"] for r in comp_old) if comp_old else None
+    table.add_row(f"log analysis MB/s, every line ' completed' ({comp_mb:.0f} MB), median",
+                  f"{comp_mbs:.1f}",
+                  f"{comp_old_mbs:.1f} (baseline source tree)" if comp_old_mbs else "-", "-")
     table.add_row("flight recorder, 16 ranks (s)", f"{fr_s:.4f}", f"{fr_base_s:.4f}", "< 1")
     for name, v in fr_found.items():
         table.add_row(
@@ -369,6 +405,11 @@ def main() -> int:
         "naive_log_mb_per_s": round(naive_mbs, 2),
         "peak_rss_mb": round(rss, 1),
         "generated_log_correct": correct,
+        "completed_log_mb_per_s": round(comp_mbs, 1),
+        "completed_log_mb_per_cpu_s": round(
+            statistics.median(comp_mb / r["cpu_s"] for r in comp_runs), 1),
+        "completed_log_correct": all(r["cat"] == "cuda_oom" for r in comp_runs),
+        "baseline_src_completed_log_mb_per_s": round(comp_old_mbs, 2) if comp_old_mbs else None,
         "fr_16_ranks_s": round(fr_s, 4),
         "fr_baseline_s": round(fr_base_s, 4),
         "fr_all_faulty_named": fr_all,

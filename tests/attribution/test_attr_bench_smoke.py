@@ -26,7 +26,8 @@ KEYS = ["log_mb_per_s", "peak_rss_mb", "fr_16_ranks_s", "category_accuracy", "de
 @pytest.mark.timeout(120)
 def test_bench_attribution_smoke():
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--log-mb", "3", "--repeat", "1", "--naive-mb", "0.2"],
+        [sys.executable, str(SCRIPT), "--log-mb", "3", "--repeat", "1", "--naive-mb", "0.2",
+         "--completed-mb", "1"],
         check=False,
         capture_output=True,
         text=True,
@@ -37,6 +38,7 @@ def test_bench_attribution_smoke():
     for key in KEYS:
         assert figures[key] > 0, key
     assert figures["generated_log_correct"] and figures["fr_all_faulty_named"]
+    assert figures["completed_log_correct"] and figures["completed_log_mb_per_s"] > 0
     assert figures["category_accuracy"] >= 0.9 and figures["decision_accuracy"] >= 0.9
     assert figures["test_set_category_accuracy"] >= 0.9, figures
     assert figures["test_set_decision_accuracy"] >= 0.9, figures
