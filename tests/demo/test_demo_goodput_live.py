@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from trainguard._demo import cli
-from trainguard._demo._goodput import GoodputConfig, fault_plan
+from trainguard._demo._goodput import GoodputConfig, fault_plan, figures
 from trainguard._demo._goodput_progress import GoodputProgress
 
 
@@ -110,3 +110,21 @@ def test_a_terminal_gets_one_line_updated_in_place(tmp_path: Path):
     text = out.getvalue()
     assert "step 60 · faults 0/2 injected, 0 recovered · checkpoint step 60" in text, text
     assert "\x1b[" in text  # cursor control: rewritten in place, not printed line after line
+
+
+def test_an_unrecovered_fault_fails_the_run_with_the_problem_listed(tmp_path: Path):
+    run = _Run(tmp_path, t_train=time.time() - 5.0)
+    run.steps(1, 40)
+    run.add("fault", i=0, kind="exception", step=41)  # the job never completes step 41 again
+    events = [json.loads(line) for line in run.path.read_text().splitlines()]
+    fig = figures(events, PLAN, [], float((tmp_path / "t_train").read_text()))
+    assert cli.goodput_problems(fig, True, [0, 0]) == [
+        "exception at 1 s on rank 0: not recovered",
+        "sigkill at 5 s on rank 1: not recovered (it never fired)",
+    ]
+    assert cli.goodput_problems(fig, False, [1, -9])[-1] == (
+        "no rank process finished cleanly, or the run timed out (exit codes [1, -9])")
+    run.steps(41, 45)  # back past step 41: recovered
+    events = [json.loads(line) for line in run.path.read_text().splitlines()]
+    fig = figures(events, PLAN[:1], [], float((tmp_path / "t_train").read_text()))
+    assert cli.goodput_problems(fig, True, [0, 0]) == []

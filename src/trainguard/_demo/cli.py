@@ -306,7 +306,6 @@ def _run_goodput(args: argparse.Namespace) -> int:
         table.add_row(f"{row['kind']} at {row['t']:.0f} s, rank {row['rank']}", lost,
                       "yes" if row["recovered"] else "NO")
     console.print(table)
-    recovered = all(r["recovered"] for r in run.figures["faults"])
     lost_med = median_lost(run.figures)
     console.print(
         f"goodput {run.figures['goodput']:.3f} ({run.figures['kept_steps']} steps of "
@@ -316,10 +315,30 @@ def _run_goodput(args: argparse.Namespace) -> int:
     (root / "goodput.json").write_text(json.dumps(
         {"plan": plan, "figures": run.figures, "exit_codes": run.exit_codes}, indent=2))
     console.print(f"report: {root / 'goodput.json'}", soft_wrap=True)
-    ok = run.ok and recovered
-    console.print("[bold green]PASS" if ok else "[bold red]FAIL: a fault was not recovered "
-                  f"or a rank failed (exit codes {run.exit_codes}); logs in {root / 'goodput'}")
-    return 0 if ok else 1
+    problems = goodput_problems(run.figures, run.ok, run.exit_codes)
+    if not problems:
+        console.print("[bold green]PASS")
+        return 0
+    console.print(f"[bold red]FAIL[/]: {len(problems)} problem(s); logs in {root / 'goodput'}",
+                  soft_wrap=True)
+    for problem in problems:
+        console.print(f"  - {problem}", highlight=False, markup=False, soft_wrap=True)
+    return 1
+
+
+def goodput_problems(fig: dict, processes_ok: bool, exit_codes: list[int | None]) -> list[str]:
+    """What fails a ``--duration`` run: each planned fault that did not fire or was not
+    recovered (the job never again completed the step it was at; for a full disk, no checkpoint
+    committed after it), and rank processes that failed or outlived the run's limit."""
+    problems = []
+    for row in fig["faults"]:
+        if not row["recovered"]:
+            why = "not recovered" if row["fired"] else "not recovered (it never fired)"
+            problems.append(f"{row['kind']} at {row['t']:.0f} s on rank {row['rank']}: {why}")
+    if not processes_ok:
+        problems.append(f"no rank process finished cleanly, or the run timed out "
+                        f"(exit codes {exit_codes})")
+    return problems
 
 
 class _Terminated(BaseException):
