@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import time
 from pathlib import Path
 
@@ -128,3 +129,22 @@ def test_an_unrecovered_fault_fails_the_run_with_the_problem_listed(tmp_path: Pa
     events = [json.loads(line) for line in run.path.read_text().splitlines()]
     fig = figures(events, PLAN[:1], [], float((tmp_path / "t_train").read_text()))
     assert cli.goodput_problems(fig, True, [0, 0]) == []
+
+
+def test_a_full_disk_counts_as_injected_while_it_lasts_and_recovered_at_the_next_commit(
+        tmp_path: Path):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    run = _Run(tmp_path, t_train=time.time() - 2.0)
+    plan = [{"t": 1.0, "kind": "disk_full", "rank": 0}]
+    with GoodputProgress(console, duration_s=30.0, interval_s=3600.0) as progress:
+        run.steps(1, 20)
+        start = run.t
+        run.steps(21, 30)
+        progress("ours", str(tmp_path), plan, [(0, start, math.inf)])  # DiskFaults.so_far()
+        run.steps(31, 40)
+        run.add("commit", step=40)
+        progress("ours", str(tmp_path), plan, [(0, start, start + 0.2)])
+    lines = out.getvalue().splitlines()
+    assert "faults 1/1 injected, 0 recovered · checkpoint none yet" in lines[1], lines
+    assert "faults 1/1 injected, 1 recovered · checkpoint step 40" in lines[2], lines

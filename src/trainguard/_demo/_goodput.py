@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import statistics
@@ -161,6 +162,7 @@ class DiskFaults(threading.Thread):
         self.out, self.fs, self.hold_s = out, fs, hold_s
         self.stop = threading.Event()
         self.fired: list[tuple[int, float, float]] = []
+        self.filling: tuple[int, float] | None = None  # (plan index, start) while the disk is full
 
     def run(self) -> None:
         from trainguard._demo._goodput_rank import read_t_train
@@ -175,6 +177,7 @@ class DiskFaults(threading.Thread):
             if self.stop.wait(max(0.0, t_train + f["t"] - time.time())):
                 return
             start = time.time()
+            self.filling = (i, start)
             try:
                 _fill(self.fs)
                 self.stop.wait(self.hold_s)
@@ -182,6 +185,12 @@ class DiskFaults(threading.Thread):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.fs, "balloon"))
             self.fired.append((i, start, time.time()))
+            self.filling = None
+
+    def so_far(self) -> list[tuple[int, float, float]]:
+        """``fired``, plus the fault in progress (its end at infinity: not yet recovered)."""
+        filling = self.filling
+        return [*self.fired, *([] if filling is None else [(*filling, math.inf)])]
 
 
 # -- launching ----------------------------------------------------------------------------------
@@ -260,7 +269,7 @@ def run_mode(mode: str, cfg: GoodputConfig, work: str, plan: list[dict[str, Any]
                                               start_new_session=True))
         disk.start()
         limit = cfg.duration_s + 120.0 + (len(plan) + 1) * cfg.pg_timeout_s
-        tick = None if on_tick is None else (lambda: on_tick(mode, out, plan, list(disk.fired)))
+        tick = None if on_tick is None else (lambda: on_tick(mode, out, plan, disk.so_far()))
         timed_out, helpers = _watch(procs, limit, tick)
     finally:
         disk.stop.set()
