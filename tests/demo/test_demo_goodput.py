@@ -19,9 +19,10 @@ pytestmark = pytest.mark.slow
 def test_demo_duration_prints_the_goodput_of_its_json_report_and_recovers(tmp_path: Path):
     out = tmp_path / "demo"
     started = time.monotonic()
-    # 20 s of training, a fault at 6 s (the next one would fall in the last 10 s); seed 2 makes
-    # it an exception with or without the full-disk kind (root-only), so no reserve rank starts
-    proc = _demo("--duration", "20", "--fault-every", "6", "--ranks", "2", "--seed", "2",
+    # 20 s of training, faults at 6 and 12 s (18 s would leave 2 s, under the 5 s recovery
+    # room); seed 7 makes them a hang in a C call and an exception (a SIGKILL with the root-only
+    # full-disk kind: one reserve rank then)
+    proc = _demo("--duration", "20", "--fault-every", "6", "--ranks", "2", "--seed", "7",
                  "--output-dir", str(out), timeout=100)
     elapsed = time.monotonic() - started
     print(proc.stdout[-4000:], proc.stderr[-2000:], f"demo --duration took {elapsed:.1f} s",
@@ -29,9 +30,16 @@ def test_demo_duration_prints_the_goodput_of_its_json_report_and_recovers(tmp_pa
     assert proc.returncode == 0, "demo failed; logs in " + str(out / "goodput")
     report = json.loads((out / "goodput.json").read_text())
     fig = report["figures"]
-    assert [(f["kind"], f["t"]) for f in report["plan"]] == [("exception", 6.0)]
-    row = fig["faults"][0]
-    assert row["fired"] and row["recovered"] and 0 <= row["lost_s"] < 15, row
+    assert [f["t"] for f in report["plan"]] == [6.0, 12.0]
+    assert report["plan"][0]["kind"] == "hang_c", report["plan"]
+    for row in fig["faults"]:
+        assert row["fired"] and row["recovered"] and 0 <= row["lost_s"] < 15, row
+    # the live status, as plain lines (stdout is a pipe here): the faults as they happen
+    status = re.findall(r"^\[ *\d+/20 s\] step (\d+) · faults (\d)/2 injected, (\d) recovered"
+                        r" · checkpoint (?:step \d+|none yet) · goodput so far \d\.\d{3}$",
+                        proc.stdout, re.MULTILINE)
+    assert status and status[-1][1:] == ("2", "2"), proc.stdout[-3000:]
+    assert [int(s[0]) for s in status] == sorted(int(s[0]) for s in status)
     # the printed figure is the report's, and it is a real measurement of this run
     printed = re.search(r"goodput (\d\.\d{3}) \((\d+) steps of", proc.stdout)
     assert printed, proc.stdout[-2000:]

@@ -158,6 +158,7 @@ for step in range(a.steps):
         os.kill(os.getpid(), 9)
 print("trained", dist.get_rank(), dist.get_world_size(), os.environ["TORCHELASTIC_RESTART_COUNT"],
       flush=True)
+print("ps:", open("/proc/self/cmdline").read().replace(chr(0), " ").strip(), flush=True)
 dist.destroy_process_group()
 """
 
@@ -170,6 +171,8 @@ def test_a_torchrun_ddp_script_runs_unchanged_and_restarts_warm(launch, tmp_path
     log1 = r.cycle_log(1)
     assert ":0: trained 0 2 1" in log1 and ":1: trained 1 2 1" in log1
     assert "cycle 1: started 2 worker(s) (warm fork)" in r.err, r
+    # ps shows the rank and the script, not the fork server's command line
+    assert ":1: ps: trainguard worker rank 1 (local 1) : python train.py --steps 4" in log1, log1
 
 
 PORT_USER = """

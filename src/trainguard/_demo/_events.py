@@ -77,17 +77,19 @@ def read_events(events_dir: str | os.PathLike) -> dict[int, list[dict]]:
 
 
 class EventTail:
-    """Incremental reader of every ``rank*.jsonl`` in a directory (the parent's progress view)."""
+    """Incremental reader of every file matching ``pattern`` in a directory (the parent's
+    progress view; the goodput run's files are ``ev_*.jsonl``)."""
 
-    def __init__(self, events_dir: str | os.PathLike) -> None:
+    def __init__(self, events_dir: str | os.PathLike, pattern: str = "rank*.jsonl") -> None:
         self.dir = Path(events_dir)
+        self.pattern = pattern
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, str] = {}
 
     def poll(self) -> list[dict]:
         """Events appended since the last call (complete lines only)."""
         new: list[dict] = []
-        for path in sorted(self.dir.glob("rank*.jsonl")):
+        for path in sorted(self.dir.glob(self.pattern)):
             offset = self._offsets.get(path, 0)
             try:
                 with path.open("rb") as fh:

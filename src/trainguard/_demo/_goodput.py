@@ -16,6 +16,9 @@ Definitions (from the ranks' event logs, wall-clock seconds):
 * window: the job's first training step (``t_train``, when the first rank started it) -> the
   last step's end, about ``duration_s``; fault times count from ``t_train`` too (process start-up
   before it is excluded for both modes; a baseline restart's start-up inside it counts as lost);
+* schedule: faults at ``fault_every_s``, 2x, ... after ``t_train``, every one that leaves
+  :attr:`GoodputConfig.recovery_room_s` before the end: ``floor(D / S)`` faults, less the last
+  when ``D - floor(D / S) * S`` is below that room (30 s every 8 s: 8, 16, 24 s);
 * goodput: kept steps x the median step time / window, where kept steps is the step the job
   ended at (steps redone after a roll-back count once);
 * lost time of a fault: its injection -> the job again completes the step it was at, minus one
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import statistics
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +50,15 @@ from trainguard._core.clock import Deadline
 from trainguard._core.net import free_port
 from trainguard._core.procs import terminate_processes
 
-__all__ = ["KINDS", "GoodputConfig", "ModeRun", "fault_plan", "figures", "result_json",
-           "run_modes"]
+__all__ = ["KINDS", "RESTART_ALLOWANCE_S", "GoodputConfig", "ModeRun", "OnTick", "fault_plan",
+           "figures", "result_json", "run_modes"]
 
 KINDS = ("exception", "sigkill", "hang_c", "hang_gil", "disk_full")
 _RANK_MODULE = "trainguard._demo._goodput_rank"
+#: a restart after detection, seconds: rebuild the group, reload the newest checkpoint, redo the
+#: steps since it (1-2.2 s median lost per fault in BENCHMARKS.md, a reserve rank's takeover
+#: included)
+RESTART_ALLOWANCE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,18 @@ class GoodputConfig:
     disk_full_s: float = 3.0
     kinds: tuple[str, ...] = KINDS
 
+    @property
+    def recovery_room_s(self) -> float:
+        """Seconds a fault needs before the end of the run to be detected and recovered: the
+        slowest detection (a GIL-holding hang is killed at ``hard_timeout_s``; a full disk lasts
+        ``disk_full_s``) plus :data:`RESTART_ALLOWANCE_S` for the restart (5 s by default)."""
+        return max(self.hard_timeout_s, self.disk_full_s) + RESTART_ALLOWANCE_S
+
+
+#: called about every 0.5 s while a mode runs (parent's main thread): (mode, its event directory,
+#: the fault plan, the full-disk faults fired so far as (plan index, start, end)); must not block
+OnTick = Callable[[str, str, list[dict[str, Any]], list[tuple[int, float, float]]], None]
+
 
 @dataclasses.dataclass
 class ModeRun:
@@ -84,18 +104,19 @@ class ModeRun:
 
 
 def fault_plan(cfg: GoodputConfig, disk_ok: bool) -> list[dict[str, Any]]:
-    """Faults at ``fault_every_s``, 2x, ... (ending 10 s before the end): a seeded shuffle of the
+    """Faults at ``fault_every_s``, 2x, ... seconds after training starts, each leaving
+    ``cfg.recovery_room_s`` before the end (see the module docstring): a seeded shuffle of the
     kinds, cycled, each on a seeded active rank."""
     rng = random.Random(cfg.seed)
     kinds = [k for k in cfg.kinds if disk_ok or k != "disk_full"]
     order: list[str] = []
     plan = []
-    t = cfg.fault_every_s
-    while t <= cfg.duration_s - 10.0:
+    k = 1
+    while (t := k * cfg.fault_every_s) <= cfg.duration_s - cfg.recovery_room_s:
         if not order:
             order = rng.sample(kinds, len(kinds))
         plan.append({"t": t, "kind": order.pop(0), "rank": rng.randrange(cfg.ranks)})
-        t += cfg.fault_every_s
+        k += 1
     return plan
 
 
@@ -141,6 +162,7 @@ class DiskFaults(threading.Thread):
         self.out, self.fs, self.hold_s = out, fs, hold_s
         self.stop = threading.Event()
         self.fired: list[tuple[int, float, float]] = []
+        self.filling: tuple[int, float] | None = None  # (plan index, start) while the disk is full
 
     def run(self) -> None:
         from trainguard._demo._goodput_rank import read_t_train
@@ -155,6 +177,7 @@ class DiskFaults(threading.Thread):
             if self.stop.wait(max(0.0, t_train + f["t"] - time.time())):
                 return
             start = time.time()
+            self.filling = (i, start)
             try:
                 _fill(self.fs)
                 self.stop.wait(self.hold_s)
@@ -162,6 +185,12 @@ class DiskFaults(threading.Thread):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.fs, "balloon"))
             self.fired.append((i, start, time.time()))
+            self.filling = None
+
+    def so_far(self) -> list[tuple[int, float, float]]:
+        """``fired``, plus the fault in progress (its end at infinity: not yet recovered)."""
+        filling = self.filling
+        return [*self.fired, *([] if filling is None else [(*filling, math.inf)])]
 
 
 # -- launching ----------------------------------------------------------------------------------
@@ -201,9 +230,11 @@ def _commands(mode: str, cfg: GoodputConfig, reserve: int, rank_args: list[str]
              f"rank{r}") for r in range(world)]
 
 
-def _watch(procs: list[subprocess.Popen], limit_s: float) -> tuple[bool, set[int]]:
+def _watch(procs: list[subprocess.Popen], limit_s: float,
+           tick: Callable[[], None] | None = None) -> tuple[bool, set[int]]:
     """Wait for every process (at most ``limit_s``), remembering their descendants (the
-    wrapper's monitor processes, checkpoint writers) to stop them afterwards."""
+    wrapper's monitor processes, checkpoint writers) to stop them afterwards; ``tick`` is
+    called every poll (0.5 s)."""
     seen: set[int] = set()
     deadline = Deadline(limit_s)
     while any(p.poll() is None for p in procs):
@@ -212,15 +243,17 @@ def _watch(procs: list[subprocess.Popen], limit_s: float) -> tuple[bool, set[int
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 seen.update(c.pid for c in psutil.Process(p.pid).children(recursive=True))
+        if tick is not None:
+            tick()
         time.sleep(0.5)
     return False, seen
 
 
 def run_mode(mode: str, cfg: GoodputConfig, work: str, plan: list[dict[str, Any]], fs: str,
-             reserve: int) -> ModeRun:
+             reserve: int, on_tick: OnTick | None = None) -> ModeRun:
     """Run one mode to its end time (blocks about ``duration_s`` plus start-up; at most
     ``duration_s`` + 120 s + the baseline's hang timeouts), stop and reap everything it
-    started, and compute its figures."""
+    started, and compute its figures. ``on_tick`` (see :data:`OnTick`) shows live progress."""
     out, ckpt = os.path.join(work, mode), os.path.join(fs, mode)
     os.makedirs(out)
     os.makedirs(ckpt)
@@ -236,7 +269,8 @@ def run_mode(mode: str, cfg: GoodputConfig, work: str, plan: list[dict[str, Any]
                                               start_new_session=True))
         disk.start()
         limit = cfg.duration_s + 120.0 + (len(plan) + 1) * cfg.pg_timeout_s
-        timed_out, helpers = _watch(procs, limit)
+        tick = None if on_tick is None else (lambda: on_tick(mode, out, plan, disk.so_far()))
+        timed_out, helpers = _watch(procs, limit, tick)
     finally:
         disk.stop.set()
         if disk.is_alive():
@@ -250,17 +284,19 @@ def run_mode(mode: str, cfg: GoodputConfig, work: str, plan: list[dict[str, Any]
     return ModeRun(mode, figures(load_events(out), plan, disk.fired, t_train), ok, codes)
 
 
-def run_modes(cfg: GoodputConfig, work: str, modes: tuple[str, ...] = ("ours", "baseline")
+def run_modes(cfg: GoodputConfig, work: str, modes: tuple[str, ...] = ("ours", "baseline"),
+              on_tick: OnTick | None = None
               ) -> tuple[list[dict[str, Any]], dict[str, ModeRun], bool, int]:
     """Plan the faults and run each mode in turn; returns (plan, runs by mode, disk fault
-    possible, reserve ranks)."""
+    possible, reserve ranks). ``on_tick`` is passed to :func:`run_mode`."""
     runs: dict[str, ModeRun] = {}
     with checkpoint_fs(work, "disk_full" in cfg.kinds) as (fs, tmpfs):
         plan = fault_plan(cfg, disk_ok=tmpfs)
         removing = sum(f["kind"] in ("sigkill", "hang_gil") for f in plan)
         reserve = removing if cfg.reserve is None else cfg.reserve
         for mode in modes:
-            runs[mode] = run_mode(mode, cfg, work, plan, fs, reserve if mode == "ours" else 0)
+            runs[mode] = run_mode(mode, cfg, work, plan, fs, reserve if mode == "ours" else 0,
+                                  on_tick)
     return plan, runs, tmpfs, reserve
 
 

@@ -97,6 +97,7 @@ def _reap(sock: socket.socket) -> None:
 
 def serve(fd: int, preload: list[str], parent: int) -> None:
     _bootstrap.set_pdeathsig(parent)
+    _bootstrap.prepare_title()  # while the environment is still this process's own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to forward
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
