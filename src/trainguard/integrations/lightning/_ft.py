@@ -38,19 +38,21 @@ class FaultToleranceLogic:
             the longest observed gap, max over ranks; ``--ft-safety-factor``) and keep them in
             this callback's ``state_dict``, so they travel in every checkpoint and apply from the
             first step of a resumed run.
-        calculate_after_steps: recalculation period in training steps (> 0). The first
-            calculation happens at the end of the run's second training batch (the first point
-            with a heartbeat gap and a completed ``step`` section on every rank), so a checkpoint
-            saved from then on carries calculated timeouts and a restart right after the first
-            save keeps them; then at every batch end whose step count (since ``fit`` started) is
-            a multiple of ``calculate_after_steps``, which brings checkpoint pauses and
-            validation into the measure (merged with the earlier values). Each calculation is
+        calculate_after_steps: recalculation period in training steps (> 0, default 100). The
+            first calculation happens at the end of the run's second training batch (the first
+            point with a heartbeat gap and a completed ``step`` section on every rank), so a
+            checkpoint saved from then on carries calculated timeouts and a restart right after
+            the first save keeps them; then at every batch end whose step count (since ``fit``
+            started) is a multiple of ``calculate_after_steps``, which brings checkpoint pauses
+            and validation into the measure (merged with the earlier values). Each calculation is
             a collective at a batch end that every rank reaches at the same step count; the
             schedule depends on nothing rank-local (not on saves: Lightning runs
             ``on_save_checkpoint`` wherever ``dump_checkpoint`` is called, possibly on one rank
             only). Until a recalculation has seen a save, a first save longer than
             ``min_timeout`` could be taken for a hang: keep ``min_timeout`` above the longest
-            blocking save.
+            blocking save. One calculation costs the calling thread ~0.5-1 ms (two all-reduces,
+            up to three monitor requests): every 16 steps that was ~50 us per step, half the
+            1 % budget of a 10 ms step (``bench/lightning_overhead.py``); every 100, < 10 us.
         min_timeout: floor in seconds (> 0) of every calculated timeout. A step of 10 ms gives a
             calculated heartbeat timeout of 50 ms at the default safety factor, which one pause
             of the machine (another job, swapping, a slow file system) would exceed; 30 s by
@@ -79,7 +81,7 @@ class FaultToleranceLogic:
     the launcher is missing, and active in every ``fit`` (not only with autoresume).
     """
 
-    def __init__(self, *, calculate_timeouts: bool = True, calculate_after_steps: int = 16,
+    def __init__(self, *, calculate_timeouts: bool = True, calculate_after_steps: int = 100,
                  min_timeout: float = 30.0, required: bool = True,
                  client: RankMonitorClient | None = None) -> None:
         if not min_timeout > 0:
