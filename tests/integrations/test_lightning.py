@@ -41,6 +41,9 @@ WORKER = str(HERE / "_lightning_rank.py")
 SLURM = {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0",
          "SLURM_LOCALID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "77"}
 HANG_AFTER = 6  # cycle 1 hangs this many steps after its resumed step
+# FT recalculation period: past HANG_AFTER, so cycle 1 hangs under the timeouts restored from
+# cycle 0's checkpoint (a resumed run skips the step-2 calculation), not a mix with its own
+CALC_AFTER = 8
 # cycle 2 only: rank 1's step sleeps this many times longer. Sustained and large, so rank 1 is
 # the slower rank in every window however loaded the machine is: rank 0's own slowdowns (it
 # hosts the checkpoint writer process, which imports torch on the same cores when the cycle's
@@ -92,8 +95,8 @@ def _run(tmp_path: Path, ns: str) -> tuple[int, str, list[dict], float]:
     """Run the three-cycle scenario; returns (rc, launcher output, events, SIGTERM->exit s)."""
     cfg = {"ns": ns, "root": str(tmp_path), "max_steps": 2000, "step_s": 0.05,
            "slow": [1, SLOW_FACTOR, 2], "scoring": SCORING, "kill_after_save": [0, 2],
-           "hang": [1, HANG_AFTER, 1], "in_flight": 64, "preempt": True, "calc_after": 4,
-           "every": 4}
+           "hang": [1, HANG_AFTER, 1], "in_flight": 64, "preempt": True,
+           "calc_after": CALC_AFTER, "every": 4}
     env = {**os.environ, **SLURM, "TG_LT": json.dumps(cfg),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     preload = "pytorch_lightning" if ns == "pl" else "lightning"
@@ -208,6 +211,11 @@ def check_scenario(tmp_path: Path, ns: str, out: str, events: list[dict], exit_s
     assert scored, lines
     assert all(e["flagged"] == [1] for e in scored), lines
     assert not any(0 in e["flagged"] for e in reports), lines
+    # each report is logged once (the callback on rank 0; window numbers restart per cycle),
+    # and the launcher's straggler watch sums up once per cycle
+    logged = re.findall(r"straggler report: window (\d+):", out.split("cycle 2: started")[-1])
+    assert logged and len(logged) == len(set(logged)), logged
+    assert len(re.findall(r"cycle \d: straggler watch scored", out)) == 3, out[-6000:]
 
     # preemption: both ranks stopped after the same step and saved it, committed and loadable
     ends = _find(events, "end", cycle=2)

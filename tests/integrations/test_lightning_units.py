@@ -119,6 +119,14 @@ def test_timeouts_are_recalculated_on_a_fixed_step_schedule():
         counts.append(logic.calculations)
     # first at step 2, then at every multiple of 3: steps 3, 6, 9
     assert counts == [0, 1, 2, 2, 2, 3, 3, 3, 4], counts
+    # a resumed run starts with the restored calculated timeouts: no step-2 sample mixed in
+    resumed = _active_logic(calculate_after_steps=3, min_timeout=0.5)
+    resumed.load_state_dict(logic.state_dict())
+    _batches(resumed, 2, 0.0)
+    assert resumed.calculations == 0
+    assert resumed.state_dict() == logic.state_dict()
+    _batches(resumed, 1, 0.0)
+    assert resumed.calculations == 1  # step 3: the periodic schedule
 
 
 def two_rank_main() -> dict[str, object]:

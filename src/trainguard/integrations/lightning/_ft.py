@@ -42,17 +42,19 @@ class FaultToleranceLogic:
             first calculation happens at the end of the run's second training batch (the first
             point with a heartbeat gap and a completed ``step`` section on every rank), so a
             checkpoint saved from then on carries calculated timeouts and a restart right after
-            the first save keeps them; then at every batch end whose step count (since ``fit``
-            started) is a multiple of ``calculate_after_steps``, which brings checkpoint pauses
-            and validation into the measure (merged with the earlier values). Each calculation is
-            a collective at a batch end that every rank reaches at the same step count; the
-            schedule depends on nothing rank-local (not on saves: Lightning runs
-            ``on_save_checkpoint`` wherever ``dump_checkpoint`` is called, possibly on one rank
-            only). Until a recalculation has seen a save, a first save longer than
-            ``min_timeout`` could be taken for a hang: keep ``min_timeout`` above the longest
-            blocking save. One calculation costs the calling thread ~0.5-1 ms (two all-reduces,
-            up to three monitor requests): every 16 steps that was ~50 us per step, half the
-            1 % budget of a 10 ms step (``bench/lightning_overhead.py``); every 100, < 10 us.
+            the first save keeps them (a run that resumed with calculated timeouts skips it: the
+            same on every rank, they come from the same checkpoint); then at every batch end
+            whose step count (since ``fit`` started) is a multiple of
+            ``calculate_after_steps``, which brings checkpoint pauses and validation into the
+            measure (merged with the earlier values). Each calculation is a collective at a
+            batch end that every rank reaches at the same step count; the schedule depends on
+            nothing rank-local (not on saves: Lightning runs ``on_save_checkpoint`` wherever
+            ``dump_checkpoint`` is called, possibly on one rank only). Until a recalculation
+            has seen a save, a first save longer than ``min_timeout`` could be taken for a
+            hang: keep ``min_timeout`` above the longest blocking save. One calculation costs
+            the calling thread ~0.5-1 ms (two all-reduces, up to three monitor requests):
+            every 16 steps that was ~50 us per step, half the 1 % budget of a 10 ms step
+            (``bench/lightning_overhead.py``); every 100, < 10 us.
         min_timeout: floor in seconds (> 0) of every calculated timeout. A step of 10 ms gives a
             calculated heartbeat timeout of 50 ms at the default safety factor, which one pause
             of the machine (another job, swapping, a slow file system) would exceed; 30 s by
@@ -162,8 +164,10 @@ class FaultToleranceLogic:
         client.progress(1)
         self._steps += 1
         steps = self._steps
-        if self.calculate_timeouts and (steps == FIRST_CALCULATION_STEPS or (
-                steps > FIRST_CALCULATION_STEPS and steps % self.calculate_after_steps == 0)):
+        if self.calculate_timeouts and (
+                steps % self.calculate_after_steps == 0 and steps > FIRST_CALCULATION_STEPS
+                or steps == FIRST_CALCULATION_STEPS
+                and not _heartbeat_calculated(self.client.state_dict())):
             self.calculate()
         client.start_section("data")
 
