@@ -247,8 +247,9 @@ class Detector:
         Raises:
             StragglerError: not initialized.
         """
+        recorder = cls._get().recorder
         if seconds > 0:
-            cls._get().recorder.coll_ns += int(seconds * 1e9)
+            recorder.coll_ns += int(seconds * 1e9)
 
     @classmethod
     def data_wait(cls) -> DataWait:
