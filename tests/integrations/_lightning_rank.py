@@ -10,8 +10,9 @@ write in flight, once an earlier save is committed),
 ``hang`` ([rank, n, cycle]: ``training_step`` sleeps forever n steps after the cycle's first
 one), ``raise`` ([rank, step, iteration]: ``training_step`` raises at that step or later, once
 a checkpoint is committed; for the in-process recipe, ``inprocess``), ``preempt`` (add the
-PreemptionCallback), ``calc_after`` (FaultToleranceCallback.calculate_after_steps), ``sharded``
-("dcp" or "torch": add a ShardedCheckpointCallback saving every 5 steps), ``in_flight``
+PreemptionCallback, checking every that many steps), ``calc_after``
+(FaultToleranceCallback.calculate_after_steps), ``sharded`` ("dcp" or "torch": add a
+ShardedCheckpointCallback saving every 5 steps), ``in_flight``
 (TrainguardCheckpointIO max_in_flight, default 2).
 
 Every rank appends JSON events to ``root/events/rank<R>.jsonl``: ``start`` (cycle, pid, resumed
@@ -153,13 +154,14 @@ def sharded_dir() -> str:
 def build(iteration: int = 0) -> tuple[Any, list[Any]]:
     ft = tgl.FaultToleranceCallback(calculate_after_steps=CFG.get("calc_after", 4),
                                     min_timeout=2.0) if CFG.get("ft", True) else None
-    # 2 ranks: the median is the mean, so a rank 2.5x slower in its step scores ~1.3-1.4
-    # against it (its work is 2.5 x step_s plus the per-step overhead both ranks share)
+    # 2 ranks: the median is the mean, so a rank 3x slower in its step scores ~1.4-1.5 against
+    # it (its work is 3 x step_s plus the per-step overhead both ranks share)
     scoring = ScoringConfig(ratio_threshold=SCORING["ratio_threshold"], clear_ratio=1.03,
                             floor_ms=1.0, floor_pct=1.0, consecutive=SCORING["consecutive"],
                             warmup_windows=SCORING["warmup_windows"])
     straggler = tgl.StragglerCallback(window_steps=5, scoring=scoring)
-    preempt = tgl.PreemptionCallback() if CFG.get("preempt") else None
+    preempt = tgl.PreemptionCallback(check_every_n_steps=CFG["preempt"]) \
+        if CFG.get("preempt") else None
     sharded = tgl.ShardedCheckpointCallback(sharded_dir(),
                                             every_n_train_steps=5, format=CFG["sharded"]) \
         if CFG.get("sharded") else None
