@@ -400,7 +400,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"unknown --variants {unknown}; known: {', '.join(VARIANTS)}")
     if args.child:
-        _child_overhead(args.child, steps, args.reps, variants, 5 * steps)
+        _child_overhead(args.child, steps, args.reps, variants, steps)
         return 0
     params_mb = args.params_mb or (8 if args.quick else 64)
     saves = args.saves or (2 if args.quick else 5)
