@@ -11,8 +11,20 @@ Measured in one run, each with its baseline:
   The timing wrapper's own cost (``time.thread_time`` is a system call, ~3 us here) is measured
   around an empty hook in the same processes and subtracted (``timer_cpu_us_per_step``; the
   uncorrected figure is ``raw_callback_cpu_us_per_step``).
-  Baseline in the same processes: an A/B of the step wall time with and without the callbacks
-  (``ab_overhead_pct``; noisy on a shared machine);
+  Baseline in the same processes: an A/B of the step wall time with and without the callbacks,
+  ``--reps`` interleaved repetitions (each runs every ``--variants`` fit once, in an order
+  rotated per repetition), each variant's step time against the callback-free fit of the same
+  repetition: ``ab_overhead_pct`` (default callbacks; ``_min`` / ``_max`` over repetitions),
+  ``ab_<variant>_overhead_pct`` for the others (``no_ddp_hook``: the straggler callback's DDP
+  communication hook off; ``blocking_ddp_hook``: the blocking hook used before issue 11's fix;
+  one callback alone: ``ft``, ``straggler``, ...), ``ddp_hook_pct`` / ``blocking_ddp_hook_pct``
+  (a hook against ``no_ddp_hook``), and the same A/B of the rank processes' CPU time per step
+  (every thread: ``ab_cpu_us_per_step``, ``ab_<variant>_cpu_us_per_step``), less sensitive to a
+  shared machine's load than wall time;
+* ``ddp_<small|deep>_<overlapped|blocking>_hook_us_per_step``: the DDP hooks alone, forward +
+  backward time against DDP's own all-reduce, interleaved step by step in the same processes
+  (``Linear(64, 64)``, one bucket, as in the fits; and 8 x ``Linear(256, 256)`` in 8 buckets,
+  where a blocking hook loses the overlap);
 * ``ckpt_block_ms`` / ``lightning_async_block_ms`` / ``lightning_sync_block_ms``: how long
   ``trainer.save_checkpoint`` blocks the training loop with ``TrainguardCheckpointIO``, with
   Lightning's ``AsyncCheckpointIO`` and with its default synchronous ``TorchCheckpointIO``; same
@@ -20,7 +32,7 @@ Measured in one run, each with its baseline:
   ``--saves`` saves each, with time between saves for the background writes to finish.
 
 Prints a rich table, then one JSON line. Run:
-``.venv/bin/python bench/lightning_overhead.py [--quick]``
+``.venv/bin/python bench/lightning_overhead.py [--quick] [--reps 3] [--variants none,default,...]``
 """
 
 from __future__ import annotations
