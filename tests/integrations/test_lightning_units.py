@@ -176,6 +176,7 @@ def _overlapped_hook(rank: int, torch: Any, dist: Any) -> dict[str, object]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from trainguard.integrations.lightning._ddp_hook import OverlapTimer, overlapped_allreduce
+    from trainguard.integrations.lightning._straggler import _hook_ddp
 
     def net() -> Any:
         torch.manual_seed(0)
@@ -194,7 +195,11 @@ def _overlapped_hook(rank: int, torch: Any, dist: Any) -> dict[str, object]:
         exposed.append(timer.take_exposed_s())
     same = all(torch.equal(a.grad, b.grad)
                for a, b in zip(hooked.parameters(), plain.parameters()))
-    return {"exposed_s": exposed, "buckets": timer.buckets, "same_grads": same}
+    first = _hook_ddp(plain, "auto")  # gloo: the overlapped hook and its timer
+    again = _hook_ddp(plain, "auto")  # DDP takes one hook per model: a warning, no raise
+    return {"exposed_s": exposed, "buckets": timer.buckets, "same_grads": same,
+            "registered": first[0] and isinstance(first[1], OverlapTimer),
+            "second_refused": again == (False, None)}
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +230,7 @@ def test_overlapped_ddp_hook_counts_the_wait_for_the_slow_rank(two_ranks):
     print(f"exposed all-reduce wait, s: fast rank {fast['exposed_s']}, slow rank "
           f"{slow['exposed_s']}")
     assert fast["same_grads"] and slow["same_grads"]  # the mean, as DDP's own all-reduce
+    assert fast["registered"] and fast["second_refused"], fast
     assert fast["buckets"] >= 5, fast  # several buckets per backward: overlap was possible
     # the fast rank waited ~0.25 s per step for the slow one; the slow one waited for nobody
     fast_s, slow_s = statistics.median(fast["exposed_s"]), statistics.median(slow["exposed_s"])

@@ -56,9 +56,10 @@ class StragglerLogic:
             stamps each bucket's completion; the part ``backward`` waited for (last bucket
             issued -> last completion) counts as collective wait. On other backends (True only)
             each bucket goes through a blocking ``torch.distributed.all_reduce``, which the
-            detector times with CUDA events; on NCCL the blocking call only enqueues. Either way
-            the hook replaces any communication hook registered before it on the model: pass
-            False when the model has one of its own (e.g. gradient compression).
+            detector times with CUDA events; on NCCL the blocking call only enqueues. DDP takes
+            one communication hook per model: when one is registered already (e.g.
+            ``DDPStrategy(ddp_comm_hook=...)``) a warning says so and the all-reduce stays
+            untimed; pass False to skip the attempt.
 
     If :class:`Detector` is already initialized (by the user), it is used and left running.
 
@@ -237,11 +238,17 @@ def _hook_ddp(model: Any, mode: bool | str) -> tuple[bool, OverlapTimer | None]:
     group = model.process_group
     from trainguard.integrations.lightning import _ddp_hook
 
-    if dist.get_backend(group) == "gloo":
-        timer = _ddp_hook.OverlapTimer(group)
-        model.register_comm_hook(timer, _ddp_hook.overlapped_allreduce)
-        return True, timer
-    if mode == "auto":
+    gloo = dist.get_backend(group) == "gloo"
+    if not gloo and mode == "auto":
         return False, None
-    model.register_comm_hook(group, _ddp_hook.timed_allreduce)
-    return True, None
+    timer = _ddp_hook.OverlapTimer(group) if gloo else None
+    try:
+        if timer is not None:
+            model.register_comm_hook(timer, _ddp_hook.overlapped_allreduce)
+        else:
+            model.register_comm_hook(group, _ddp_hook.timed_allreduce)
+    except RuntimeError as exc:  # DDP allows one hook per model (the user's came first)
+        _log.warning("StragglerCallback: DDP gradient all-reduce not timed (%s); pass "
+                     "time_ddp_allreduce=False when the model has a communication hook", exc)
+        return False, None
+    return True, timer
