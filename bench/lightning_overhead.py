@@ -11,8 +11,20 @@ Measured in one run, each with its baseline:
   The timing wrapper's own cost (``time.thread_time`` is a system call, ~3 us here) is measured
   around an empty hook in the same processes and subtracted (``timer_cpu_us_per_step``; the
   uncorrected figure is ``raw_callback_cpu_us_per_step``).
-  Baseline in the same processes: an A/B of the step wall time with and without the callbacks
-  (``ab_overhead_pct``; noisy on a shared machine);
+  Baseline in the same processes: an A/B of the step wall time with and without the callbacks,
+  ``--reps`` interleaved repetitions (each runs every ``--variants`` fit once, in an order
+  rotated per repetition), each variant's step time against the callback-free fit of the same
+  repetition: ``ab_overhead_pct`` (default callbacks; ``_min`` / ``_max`` over repetitions),
+  ``ab_<variant>_overhead_pct`` for the others (``no_ddp_hook``: the straggler callback's DDP
+  communication hook off; ``blocking_ddp_hook``: the blocking hook used before issue 11's fix;
+  one callback alone: ``ft``, ``straggler``, ...), ``ddp_hook_pct`` / ``blocking_ddp_hook_pct``
+  (a hook against ``no_ddp_hook``), and the same A/B of the rank processes' CPU time per step
+  (every thread: ``ab_cpu_us_per_step``, ``ab_<variant>_cpu_us_per_step``), less sensitive to a
+  shared machine's load than wall time;
+* ``ddp_<small|deep>_<overlapped|blocking>_hook_us_per_step``: the DDP hooks alone, forward +
+  backward time against DDP's own all-reduce, interleaved step by step in the same processes
+  (``Linear(64, 64)``, one bucket, as in the fits; and 8 x ``Linear(256, 256)`` in 8 buckets,
+  where a blocking hook loses the overlap);
 * ``ckpt_block_ms`` / ``lightning_async_block_ms`` / ``lightning_sync_block_ms``: how long
   ``trainer.save_checkpoint`` blocks the training loop with ``TrainguardCheckpointIO``, with
   Lightning's ``AsyncCheckpointIO`` and with its default synchronous ``TorchCheckpointIO``; same
@@ -20,7 +32,7 @@ Measured in one run, each with its baseline:
   ``--saves`` saves each, with time between saves for the background writes to finish.
 
 Prints a rich table, then one JSON line. Run:
-``.venv/bin/python bench/lightning_overhead.py [--quick]``
+``.venv/bin/python bench/lightning_overhead.py [--quick] [--reps 3] [--variants none,default,...]``
 """
 
 from __future__ import annotations
@@ -92,7 +104,61 @@ def _timer_cost() -> tuple[float, float]:
     return best
 
 
-def _child_overhead(out: str, steps: int) -> None:
+def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
+    """Forward + backward wall time (s) of DDP models with each gradient hook, interleaved step
+    by step in the same processes (so load drifts cancel): ``none`` (DDP's own C++ all-reduce),
+    ``overlapped`` (the default hook on gloo), ``blocking`` (the hook used before). Two model
+    shapes: the overhead bench's ``Linear(64, 64)`` (one bucket) and 8 x ``Linear(256, 256)``
+    in 0.25 MB buckets (8 buckets: what the blocking hook loses is the overlap). Runs after
+    the fits, on the process group Lightning left initialised; a straggler detector is running
+    (as under the callback), so the blocking hook's ``dist.all_reduce`` goes through its
+    timing wrapper."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.integrations.lightning._ddp_hook import (
+        OverlapTimer,
+        overlapped_allreduce,
+        timed_allreduce,
+    )
+    from trainguard.straggler import Detector
+
+    # layers, width, batch, steps: the deep model's steps are ~10x longer on a loaded machine
+    shapes = {"small": (1, 64, 8, steps), "deep": (8, 256, 32, max(20, steps // 5))}
+    Detector.initialize(window_steps=20)
+    out: dict[str, dict[str, list[float]]] = {}
+    try:
+        for shape, (layers, width, batch, n) in shapes.items():
+            models = {}
+            for name in ("none", "overlapped", "blocking"):
+                torch.manual_seed(0)
+                net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+                model = DDP(net, bucket_cap_mb=0.25)
+                if name == "overlapped":
+                    timer = OverlapTimer(model.process_group)
+                    model.register_comm_hook(timer, overlapped_allreduce)
+                elif name == "blocking":
+                    model.register_comm_hook(model.process_group, timed_allreduce)
+                models[name] = model
+            x = torch.randn(batch, width)
+            times: dict[str, list[float]] = {n: [] for n in models}
+            for i in range(n + 5):
+                for j in range(len(models)):
+                    name = list(models)[(i + j) % len(models)]
+                    t0 = time.perf_counter()
+                    models[name](x).pow(2).mean().backward()
+                    if i >= 5:
+                        times[name].append(time.perf_counter() - t0)
+            out[shape] = times
+            dist.barrier()
+    finally:
+        Detector.shutdown()
+    return out
+
+
+def _child_overhead(out: str, steps: int, reps: int, variants: list[str],
+                    hook_steps: int) -> None:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -115,46 +181,103 @@ def _child_overhead(out: str, steps: int) -> None:
             return DataLoader(torch.randn(1_000_000, 64), batch_size=8)
 
     class Clock(L.Callback):
+        """Wall clock and this process's CPU clock (every thread: gloo's, the detector's
+        reporter) at each batch end; the same in every variant."""
+
         def __init__(self) -> None:
             self.t: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_batch_end(self, *args: Any) -> None:
             self.t.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
-    def fit(with_ours: bool) -> tuple[dict[str, float], float]:
+    class BlockingHook(L.Callback):
+        """The DDP hook before issue 11's fix: a blocking ``dist.all_reduce`` per bucket."""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            from trainguard.integrations.lightning._ddp_hook import timed_allreduce
+
+            model = trainer.strategy.model
+            model.register_comm_hook(model.process_group, timed_allreduce)
+
+    def fit(variant: str) -> tuple[dict[str, float], float, float]:
         totals = {"s": 0.0, "cpu_s": 0.0}
-        ours = [tgl.FaultToleranceCallback(), tgl.StragglerCallback(window_steps=20),
-                tgl.PreemptionCallback()] if with_ours else []
+        ours = _callbacks(tgl, variant)
         _timed(ours, totals)
         clock = Clock()
+        extra = [BlockingHook()] if variant == "blocking_ddp_hook" else []
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps,
-                            callbacks=[*ours, clock], logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, enable_checkpointing=False)
+                            callbacks=[*ours, *extra, clock], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False)
         trainer.fit(Step())
         gaps = [b - a for a, b in zip(clock.t[5:], clock.t[6:])]
-        return {k: v / steps for k, v in totals.items()}, statistics.median(gaps)
+        cpu = (clock.cpu[-1] - clock.cpu[5]) / (len(clock.cpu) - 6)
+        return {k: v / steps for k, v in totals.items()}, statistics.median(gaps), cpu
 
-    rounds = [(fit(False), fit(True)) for _ in range(2)]
+    # interleaved: every repetition runs each variant once, in an order rotated per repetition,
+    # so the machine's drift falls on all variants alike
+    runs: dict[str, list[tuple[dict[str, float], float, float]]] = {v: [] for v in variants}
+    for rep in range(reps):
+        for i in range(len(variants)):
+            variant = variants[(i + rep) % len(variants)]
+            runs[variant].append(fit(variant))
     timer_cpu, timer_wall = _timer_cost()
+    hooks = _ddp_hook_micro(hook_steps)
+    ours = runs[DEFAULT]
     result = {"rank": int(os.environ["RANK"]),
               "timer_cpu_s_per_call": timer_cpu, "timer_s_per_call": timer_wall,
-              "calls_per_step": statistics.median(r[1][0]["calls"] for r in rounds),
-              "hook_s_per_step": statistics.median(r[1][0]["s"] for r in rounds),
-              "hook_cpu_s_per_step": statistics.median(r[1][0]["cpu_s"] for r in rounds),
-              "hooks_us": {k: round(v * 1e6, 1) for k, v in rounds[-1][1][0].items()},
-              "step_s_without": statistics.median(r[0][1] for r in rounds),
-              "step_s_with": statistics.median(r[1][1] for r in rounds)}
+              "calls_per_step": statistics.median(r[0]["calls"] for r in ours),
+              "hook_s_per_step": statistics.median(r[0]["s"] for r in ours),
+              "hook_cpu_s_per_step": statistics.median(r[0]["cpu_s"] for r in ours),
+              "hooks_us": {k: round(v * 1e6, 1) for k, v in ours[-1][0].items()},
+              "step_s": {v: [r[1] for r in rs] for v, rs in runs.items()},
+              "cpu_s": {v: [r[2] for r in rs] for v, rs in runs.items()},
+              "ddp_hook_micro": hooks}
     with open(f"{out}.{result['rank']}", "w") as f:
         json.dump(result, f)
 
 
-def _overhead(steps: int) -> dict[str, float]:
+#: the variants an overhead run can compare; each fit gets fresh callback instances
+VARIANTS = ("none", "default", "no_ddp_hook", "blocking_ddp_hook", "ft", "straggler",
+            "straggler_no_ddp_hook", "preempt")
+DEFAULT = "default"
+
+
+def _callbacks(tgl: Any, variant: str) -> list[Any]:
+    """The trainguard callbacks of one variant: ``none``; ``default`` (all three, defaults:
+    the straggler callback's DDP communication hook is on with gloo); ``no_ddp_hook`` (all three,
+    ``time_ddp_allreduce=False``); ``blocking_ddp_hook`` (as ``no_ddp_hook``, plus the blocking
+    hook the default used before, registered by the bench); or one callback alone."""
+    ft = tgl.FaultToleranceCallback
+    strag = tgl.StragglerCallback
+    return {
+        "none": list,
+        "default": lambda: [ft(), strag(window_steps=20), tgl.PreemptionCallback()],
+        "no_ddp_hook": lambda: [ft(), strag(window_steps=20, time_ddp_allreduce=False),
+                                tgl.PreemptionCallback()],
+        "blocking_ddp_hook": lambda: [ft(), strag(window_steps=20, time_ddp_allreduce=False),
+                                      tgl.PreemptionCallback()],
+        "ft": lambda: [ft()],
+        "straggler": lambda: [strag(window_steps=20)],
+        "straggler_no_ddp_hook": lambda: [strag(window_steps=20, time_ddp_allreduce=False)],
+        "preempt": lambda: [tgl.PreemptionCallback()],
+    }[variant]()
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def _overhead(steps: int, reps: int, variants: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tg-lt-bench-") as tmp:
         out = os.path.join(tmp, "overhead")
         cmd = [sys.executable, "-m", "trainguard.fault_tolerance.launcher", "--nproc-per-node",
                "2", "--ft-preload", "lightning", "--log-dir", os.path.join(tmp, "logs"),
-               __file__, "--child", out, "--steps", str(steps)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+               __file__, "--child", out, "--steps", str(steps), "--reps", str(reps),
+               "--variants", ",".join(variants)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"overhead run failed (rc {proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-4000:]}")
@@ -166,16 +289,53 @@ def _overhead(steps: int) -> dict[str, float]:
     raw_cpu = statistics.median(r["hook_cpu_s_per_step"] for r in ranks)
     hook = statistics.median(r["hook_s_per_step"] for r in ranks) - timer_wall
     cpu = raw_cpu - timer_cpu
-    with_s = statistics.median(r["step_s_with"] for r in ranks)
-    without = statistics.median(r["step_s_without"] for r in ranks)
+    # per variant and repetition: the step time (median of the two ranks' medians), then the
+    # ratio to the "none" fit of the same repetition (interleaved, so both saw the same load)
+    step = {v: [statistics.median(r["step_s"][v][i] for r in ranks) for i in range(reps)]
+            for v in variants}
+    # and the rank processes' CPU per step (all threads), less sensitive to load than wall time
+    cpu_step = {v: [statistics.median(r["cpu_s"][v][i] for r in ranks) for i in range(reps)]
+                for v in variants}
     print("per-hook CPU us/step, rank 0:", json.dumps(ranks[0]["hooks_us"]), flush=True)
-    return {"callback_overhead_pct": 100 * cpu / STEP_S, "callback_cpu_us_per_step": cpu * 1e6,
-            "raw_callback_cpu_us_per_step": raw_cpu * 1e6, "timer_cpu_us_per_step": timer_cpu * 1e6,
-            "hook_calls_per_step": calls,
-            "callback_wall_overhead_pct": 100 * hook / STEP_S,
-            "callback_us_per_step": hook * 1e6,
-            "step_ms_without": without * 1e3, "step_ms_with": with_s * 1e3,
-            "ab_overhead_pct": 100 * (with_s - without) / without}
+    fig: dict[str, Any] = {
+        "callback_overhead_pct": 100 * cpu / STEP_S, "callback_cpu_us_per_step": cpu * 1e6,
+        "raw_callback_cpu_us_per_step": raw_cpu * 1e6, "timer_cpu_us_per_step": timer_cpu * 1e6,
+        "hook_calls_per_step": calls,
+        "callback_wall_overhead_pct": 100 * hook / STEP_S,
+        "callback_us_per_step": hook * 1e6,
+        "step_ms_without": statistics.median(step["none"]) * 1e3,
+        "step_ms_with": statistics.median(step[DEFAULT]) * 1e3, "ab_reps": reps,
+        "process_cpu_ms_per_step_without": statistics.median(cpu_step["none"]) * 1e3}
+    for v in variants:
+        if v == "none":
+            continue
+        pct = [100 * (w - n) / n for w, n in zip(step[v], step["none"])]
+        lo, mid, hi = _spread(pct)
+        key = "ab_overhead_pct" if v == DEFAULT else f"ab_{v}_overhead_pct"
+        fig[key], fig[f"{key}_min"], fig[f"{key}_max"] = mid, lo, hi
+        cpu_us = [1e6 * (w - n) for w, n in zip(cpu_step[v], cpu_step["none"])]
+        lo, mid, hi = _spread(cpu_us)
+        ckey = "ab_cpu_us_per_step" if v == DEFAULT else f"ab_{v}_cpu_us_per_step"
+        fig[ckey], fig[f"{ckey}_min"], fig[f"{ckey}_max"] = mid, lo, hi
+        if v != DEFAULT:
+            fig[f"step_ms_{v}"] = statistics.median(step[v]) * 1e3
+    for shape in ("small", "deep"):
+        # per step: the hook's extra forward+backward time over DDP's own all-reduce, both ranks'
+        # medians of step-by-step interleaved runs, as % of the bench's 10 ms step too
+        med = {n: statistics.median(statistics.median(r["ddp_hook_micro"][shape][n])
+                                    for r in ranks) for n in ("none", "overlapped", "blocking")}
+        fig[f"ddp_{shape}_fwd_bwd_us_none"] = med["none"] * 1e6
+        for n in ("overlapped", "blocking"):
+            fig[f"ddp_{shape}_{n}_hook_us_per_step"] = (med[n] - med["none"]) * 1e6
+    if "no_ddp_hook" in variants:
+        # a DDP hook alone: the same callbacks with it (the default's overlapped one, or the
+        # blocking one used before) against without any hook (no_ddp_hook)
+        for v, key in ((DEFAULT, "ddp_hook_pct"), ("blocking_ddp_hook", "blocking_ddp_hook_pct")):
+            if v in variants:
+                pct = [100 * (w - n) / n for w, n in zip(step[v], step["no_ddp_hook"])]
+                lo, mid, hi = _spread(pct)
+                fig[key], fig[f"{key}_min"], fig[f"{key}_max"] = mid, lo, hi
+    return fig
 
 
 def _ckpt(params_mb: int, saves: int, root: str) -> dict[str, float]:
@@ -234,19 +394,31 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps per fit")
     parser.add_argument("--params-mb", type=int, default=None, help="model size in MB (64)")
     parser.add_argument("--saves", type=int, default=None, help="saves per plugin (5)")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="interleaved repetitions of every variant (>= 1, default 3)")
+    parser.add_argument("--variants", default="none,default,no_ddp_hook",
+                        help=f"comma-separated overhead variants, 'none' and 'default' always "
+                             f"included; known: {', '.join(VARIANTS)}")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = args.steps or (60 if args.quick else 300)
     if steps < 20:
         parser.error("--steps must be >= 20")
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
+    variants = ["none", DEFAULT] + [v for v in args.variants.split(",")
+                                    if v and v not in ("none", DEFAULT)]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; known: {', '.join(VARIANTS)}")
     if args.child:
-        _child_overhead(args.child, steps)
+        _child_overhead(args.child, steps, args.reps, variants, steps)
         return 0
     params_mb = args.params_mb or (8 if args.quick else 64)
     saves = args.saves or (2 if args.quick else 5)
     if params_mb < 1 or saves < 1:
         parser.error("--params-mb and --saves must be >= 1")
-    figures: dict[str, Any] = dict(_overhead(steps))
+    figures: dict[str, Any] = dict(_overhead(steps, args.reps, variants))
     with tempfile.TemporaryDirectory(prefix="tg-lt-ckpt-") as root:
         figures.update(_ckpt(params_mb, saves, root))
     figures["load_avg_1min"] = os.getloadavg()[0]
@@ -265,9 +437,35 @@ def _table(f: dict[str, Any]) -> None:
         table.add_column(col)
     table.add_row("callback_overhead_pct (10 ms step)", f"{f['callback_overhead_pct']:.3f} %"
                   f" CPU ({f['callback_cpu_us_per_step']:.0f} us); wall "
-                  f"{f['callback_wall_overhead_pct']:.3f} %",
-                  f"A/B step time: {f['ab_overhead_pct']:+.2f} % ({f['step_ms_without']:.2f} -> "
-                  f"{f['step_ms_with']:.2f} ms)", "<= 1 %")
+                  f"{f['callback_wall_overhead_pct']:.3f} %", "", "<= 1 %")
+    reps = f["ab_reps"]
+    names = [DEFAULT] + [k[len("step_ms_"):] for k in f if k.startswith("step_ms_")
+                         and k not in ("step_ms_with", "step_ms_without")]
+    for v in names:
+        key = "ab_overhead_pct" if v == DEFAULT else f"ab_{v}_overhead_pct"
+        ckey = "ab_cpu_us_per_step" if v == DEFAULT else f"ab_{v}_cpu_us_per_step"
+        step = f["step_ms_with"] if v == DEFAULT else f[f"step_ms_{v}"]
+        table.add_row(f"A/B vs no callbacks: {v.replace('_', ' ')}",
+                      f"wall {f[key]:+.2f} % (min {f[key + '_min']:+.2f}, max "
+                      f"{f[key + '_max']:+.2f}; {step:.2f} ms); process CPU "
+                      f"{f[ckey]:+.0f} us/step (min {f[ckey + '_min']:+.0f}, max "
+                      f"{f[ckey + '_max']:+.0f})",
+                      f"no callbacks {f['step_ms_without']:.2f} ms, CPU "
+                      f"{f['process_cpu_ms_per_step_without']:.2f} ms/step; {reps} interleaved "
+                      "reps", "<= 1 %" if v == DEFAULT else "")
+    for shape, label in (("small", "Linear(64,64), 1 bucket"),
+                         ("deep", "8 x Linear(256,256), 8 buckets")):
+        table.add_row(f"DDP hook cost per fwd+bwd, {label}",
+                      f"overlapped (default) {f[f'ddp_{shape}_overlapped_hook_us_per_step']:+.0f}"
+                      f" us; blocking (before) {f[f'ddp_{shape}_blocking_hook_us_per_step']:+.0f}"
+                      " us", f"no hook {f[f'ddp_{shape}_fwd_bwd_us_none']:.0f} us "
+                      "(step-by-step interleaved)", "")
+    for key, label in (("ddp_hook_pct", "overlapped DDP hook (default)"),
+                       ("blocking_ddp_hook_pct", "blocking DDP hook (before)")):
+        if key in f:
+            table.add_row(f"{label} vs no hook", f"wall {f[key]:+.2f} % (min "
+                          f"{f[key + '_min']:+.2f}, max {f[key + '_max']:+.2f})",
+                          "same callbacks, time_ddp_allreduce=False", "")
     table.add_row(f"ckpt_block_ms ({f['ckpt_mb']} MB)", f"{f['ckpt_block_ms']:.1f} ms",
                   f"AsyncCheckpointIO {f['lightning_async_block_ms']:.1f} ms; TorchCheckpointIO "
                   f"{f['lightning_sync_block_ms']:.1f} ms", "< both")

@@ -1,15 +1,18 @@
 """One rank of the Lightning integration tests, run by ``trainguard launch`` (or ``run_ranks``).
 
 Configured by ``TG_LT`` (JSON): ``ns`` ("lightning" or "pl"), ``root`` (checkpoints and events),
-``max_steps``, ``step_s`` (sleep per training step), ``slow`` ([rank, factor]: that rank's steps
-take factor x longer), ``every`` (ModelCheckpoint every_n_train_steps), ``kill_after_save``
-([cycle, n]: rank 0 SIGKILLs itself right after its n-th or a later save returned, with the
+``max_steps``, ``step_s`` (sleep per training step), ``slow`` ([rank, factor] or
+[rank, factor, cycle]: that rank's steps take factor x longer, in every cycle or in that one),
+``scoring`` (ScoringConfig ratio_threshold / consecutive / warmup_windows), ``every``
+(ModelCheckpoint every_n_train_steps), ``kill_after_save`` ([cycle, n]: rank 0 SIGKILLs itself
+right after its n-th or a later save returned, with the
 write in flight, once an earlier save is committed),
 ``hang`` ([rank, n, cycle]: ``training_step`` sleeps forever n steps after the cycle's first
 one), ``raise`` ([rank, step, iteration]: ``training_step`` raises at that step or later, once
 a checkpoint is committed; for the in-process recipe, ``inprocess``), ``preempt`` (add the
-PreemptionCallback), ``calc_after`` (FaultToleranceCallback.calculate_after_steps), ``sharded``
-("dcp" or "torch": add a ShardedCheckpointCallback saving every 5 steps), ``in_flight``
+PreemptionCallback, checking every that many steps), ``calc_after``
+(FaultToleranceCallback.calculate_after_steps), ``sharded`` ("dcp" or "torch": add a
+ShardedCheckpointCallback saving every 5 steps), ``in_flight``
 (TrainguardCheckpointIO max_in_flight, default 2).
 
 Every rank appends JSON events to ``root/events/rank<R>.jsonl``: ``start`` (cycle, pid, resumed
@@ -36,6 +39,10 @@ CFG: dict[str, Any] = json.loads(os.environ["TG_LT"])
 RANK = int(os.environ.get("RANK", "0"))
 CYCLE = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FIRST_STEP: dict[str, int] = {}  # the global step this process started training at
+#: straggler scoring; ``scoring`` in TG_LT overrides entries (the test derives from it the first
+#: window that can flag)
+SCORING = {"ratio_threshold": 1.07, "consecutive": 2, "warmup_windows": 1,
+           **CFG.get("scoring", {})}
 
 if CFG["ns"] == "pl":
     import pytorch_lightning as L
@@ -78,7 +85,7 @@ class Model(L.LightningModule):
             event("raise", step=step)
             raise RuntimeError(f"injected failure at step {step}")
         slow = CFG.get("slow")
-        factor = slow[1] if slow and slow[0] == RANK else 1.0
+        factor = slow[1] if slow and slow[0] == RANK and slow[2:] in ([], [CYCLE]) else 1.0
         time.sleep(CFG.get("step_s", 0.02) * factor)
         return self.net(batch).pow(2).mean()
 
@@ -129,7 +136,8 @@ class Recorder(L.Callback):
         if len(reports) != self.reports:
             self.reports = len(reports)
             event("report", flagged=sorted({s.rank for s in reports[-1].stragglers}),
-                  line=reports[-1].summary_line(), per_rank=reports[-1].per_rank)
+                  line=reports[-1].summary_line(), per_rank=reports[-1].per_rank,
+                  window=reports[-1].window, warmup=reports[-1].warmup)
         if self.ft is not None and self.ft.calculations != self.calculations:
             self.calculations = self.ft.calculations
             event("calculated", state=self.ft.state_dict(), timeouts=self.ft.client.timeouts)
@@ -146,11 +154,14 @@ def sharded_dir() -> str:
 def build(iteration: int = 0) -> tuple[Any, list[Any]]:
     ft = tgl.FaultToleranceCallback(calculate_after_steps=CFG.get("calc_after", 4),
                                     min_timeout=2.0) if CFG.get("ft", True) else None
-    # 2 ranks: the median is the mean, so a 1.3x rank scores about 1.13 against it
-    scoring = ScoringConfig(ratio_threshold=1.07, clear_ratio=1.03, floor_ms=1.0, floor_pct=1.0,
-                            consecutive=2, warmup_windows=1)
+    # 2 ranks: the median is the mean, so a rank 3x slower in its step scores ~1.4-1.5 against
+    # it (its work is 3 x step_s plus the per-step overhead both ranks share)
+    scoring = ScoringConfig(ratio_threshold=SCORING["ratio_threshold"], clear_ratio=1.03,
+                            floor_ms=1.0, floor_pct=1.0, consecutive=SCORING["consecutive"],
+                            warmup_windows=SCORING["warmup_windows"])
     straggler = tgl.StragglerCallback(window_steps=5, scoring=scoring)
-    preempt = tgl.PreemptionCallback() if CFG.get("preempt") else None
+    preempt = tgl.PreemptionCallback(check_every_n_steps=CFG["preempt"]) \
+        if CFG.get("preempt") else None
     sharded = tgl.ShardedCheckpointCallback(sharded_dir(),
                                             every_n_train_steps=5, format=CFG["sharded"]) \
         if CFG.get("sharded") else None

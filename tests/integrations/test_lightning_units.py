@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import types
+from typing import Any
 
 import pytest
 
@@ -78,23 +80,159 @@ def test_importing_the_integration_imports_no_framework():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_the_first_checkpoint_carries_calculated_timeouts():
-    """A restart right after the run's first save must keep the calculated timeouts: they are
-    calculated while that checkpoint is built and replace the entry Lightning collected."""
-    logic = FaultToleranceLogic(calculate_after_steps=1000, min_timeout=0.5)
+def _batches(logic: FaultToleranceLogic, n: int, step_s: float = 0.005) -> None:
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace())
+    for batch in range(n):
+        logic.on_train_batch_start(trainer, None, None, batch)
+        time.sleep(step_s)
+        logic.on_train_batch_end(trainer, None, None, None, batch)
+
+
+def _active_logic(**kwargs: object) -> FaultToleranceLogic:
+    logic = FaultToleranceLogic(**kwargs)  # type: ignore[arg-type]
     logic.state_key = "FaultToleranceCallback"  # what Lightning's Callback provides
     logic.active = True  # as after setup under the launcher (no monitor needed here)
-    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace())
-    for batch in range(3):
-        logic.on_train_batch_start(trainer, None, None, batch)
-        time.sleep(0.01)
-        logic.on_train_batch_end(trainer, None, None, None, batch)
-    assert logic.calculations == 0  # the periodic calculation is 1000 steps away
-    checkpoint = {"callbacks": {"FaultToleranceCallback": logic.state_dict()}}
-    assert checkpoint["callbacks"]["FaultToleranceCallback"] == {"current_timeouts": {}}
-    logic.on_save_checkpoint(trainer, None, checkpoint)
-    saved = checkpoint["callbacks"]["FaultToleranceCallback"]["current_timeouts"]["heartbeat"]
+    return logic
+
+
+def test_the_first_checkpoint_carries_calculated_timeouts():
+    """A restart right after the run's first save must keep the calculated timeouts: they are
+    calculated at the second batch end (every rank reaches it), so the state Lightning collects
+    into any later checkpoint already holds them; a save itself calculates nothing."""
+    logic = _active_logic(calculate_after_steps=1000, min_timeout=0.5)
+    _batches(logic, 1)
+    assert logic.calculations == 0 and logic.state_dict() == {"current_timeouts": {}}
+    _batches(logic, 1)
+    assert logic.calculations == 1
+    saved = logic.state_dict()["current_timeouts"]["heartbeat"]  # what a checkpoint gets
     assert saved["were_calculated"] and saved["subsequent"] >= 0.5, saved
+    _batches(logic, 3)  # the periodic recalculation is 1000 steps away
     assert logic.calculations == 1
-    logic.on_save_checkpoint(trainer, None, checkpoint)  # calculated already: no new collective
-    assert logic.calculations == 1
+    assert not hasattr(logic, "on_save_checkpoint")  # nothing runs in a save but state_dict
+
+
+def test_timeouts_are_recalculated_on_a_fixed_step_schedule():
+    logic = _active_logic(calculate_after_steps=3, min_timeout=0.5)
+    counts = []
+    for _ in range(9):
+        _batches(logic, 1, 0.0)
+        counts.append(logic.calculations)
+    # first at step 2, then at every multiple of 3: steps 3, 6, 9
+    assert counts == [0, 1, 2, 2, 2, 3, 3, 3, 4], counts
+    # a resumed run starts with the restored calculated timeouts: no step-2 sample mixed in
+    resumed = _active_logic(calculate_after_steps=3, min_timeout=0.5)
+    resumed.load_state_dict(logic.state_dict())
+    _batches(resumed, 2, 0.0)
+    assert resumed.calculations == 0
+    assert resumed.state_dict() == logic.state_dict()
+    _batches(resumed, 1, 0.0)
+    assert resumed.calculations == 1  # step 3: the periodic schedule
+
+
+def two_rank_main() -> dict[str, object]:
+    """Rank program (``run_ranks``, 2 gloo ranks, 5 s process-group timeout) for two checks that
+    need real collectives; one launch for both (each rank imports torch once):
+
+    * ``save``: 8 training steps of :class:`FaultToleranceLogic`; after step 3 rank 0 alone builds
+      a checkpoint the way Lightning's ``dump_checkpoint`` does (``state_dict``, then
+      ``on_save_checkpoint`` if the callback has one). A collective there would wait for rank 1
+      until the process-group timeout;
+    * ``hook``: DDP with the overlapped communication hook, rank 1 sleeping 0.25 s before each
+      step: the exposed all-reduce wait (what the straggler callback counts as collective
+      wait) and whether the gradients equal DDP's own all-reduce.
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=5))
+    try:
+        return {"save": _save_on_rank0_only(rank), "hook": _overlapped_hook(rank, torch, dist)}
+    finally:
+        dist.destroy_process_group()
+
+
+def _save_on_rank0_only(rank: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    logic = _active_logic(calculate_after_steps=4, min_timeout=0.5)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace())
+    for step in range(1, 9):
+        _batches(logic, 1)
+        if step == 3 and rank == 0:
+            t0 = time.monotonic()
+            ckpt = {"callbacks": {logic.state_key: logic.state_dict()}}
+            hook = getattr(logic, "on_save_checkpoint", None)
+            if hook is not None:
+                hook(trainer, None, ckpt)
+            out["save_s"] = time.monotonic() - t0
+            out["saved"] = ckpt["callbacks"][logic.state_key]
+    out["calculations"] = logic.calculations
+    return out
+
+
+def _overlapped_hook(rank: int, torch: Any, dist: Any) -> dict[str, object]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.integrations.lightning._ddp_hook import OverlapTimer, overlapped_allreduce
+    from trainguard.integrations.lightning._straggler import _hook_ddp
+
+    def net() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+
+    hooked, plain = DDP(net(), bucket_cap_mb=0.02), DDP(net(), bucket_cap_mb=0.02)
+    timer = OverlapTimer(hooked.process_group)
+    hooked.register_comm_hook(timer, overlapped_allreduce)
+    exposed = []
+    for _ in range(3):
+        x = torch.randn(8, 64) * (rank + 1)
+        if rank == 1:
+            time.sleep(0.25)
+        for model in (hooked, plain):
+            model(x).pow(2).mean().backward()
+        exposed.append(timer.take_exposed_s())
+    same = all(torch.equal(a.grad, b.grad)
+               for a, b in zip(hooked.parameters(), plain.parameters()))
+    first = _hook_ddp(plain, "auto")  # gloo: the overlapped hook and its timer
+    again = _hook_ddp(plain, "auto")  # DDP takes one hook per model: a warning, no raise
+    return {"exposed_s": exposed, "buckets": timer.buckets, "same_grads": same,
+            "registered": first[0] and isinstance(first[1], OverlapTimer),
+            "second_refused": again == (False, None)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[Any]:
+    from trainguard.testing.faults import run_ranks
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    res = run_ranks("test_lightning_units:two_rank_main", 2, timeout_s=60, pythonpath=[here])
+    for r in res:
+        assert r.returncode == 0, (r.rank, r.stderr[-3000:])
+    return [r.result for r in res]
+
+
+@pytest.mark.timeout(90)
+def test_a_save_on_rank0_only_does_not_wait_for_the_other_rank(two_ranks):
+    rank0, rank1 = two_ranks[0]["save"], two_ranks[1]["save"]
+    print(f"rank-0-only save took {rank0['save_s'] * 1e3:.2f} ms")
+    assert rank0["save_s"] < 1.0, rank0
+    hb = rank0["saved"]["current_timeouts"]["heartbeat"]
+    assert hb["were_calculated"], rank0["saved"]  # calculated at step 2, before the save
+    # both ranks calculated at the same steps (2, 4, 8): the schedule ignores the save
+    assert rank0["calculations"] == rank1["calculations"] == 3, (rank0, rank1)
+
+
+@pytest.mark.timeout(90)
+def test_overlapped_ddp_hook_counts_the_wait_for_the_slow_rank(two_ranks):
+    fast, slow = two_ranks[0]["hook"], two_ranks[1]["hook"]
+    print(f"exposed all-reduce wait, s: fast rank {fast['exposed_s']}, slow rank "
+          f"{slow['exposed_s']}")
+    assert fast["same_grads"] and slow["same_grads"]  # the mean, as DDP's own all-reduce
+    assert fast["registered"] and fast["second_refused"], fast
+    assert fast["buckets"] >= 5, fast  # several buckets per backward: overlap was possible
+    # the fast rank waited ~0.25 s per step for the slow one; the slow one waited for nobody
+    fast_s, slow_s = statistics.median(fast["exposed_s"]), statistics.median(slow["exposed_s"])
+    assert fast_s > 0.1, fast
+    assert slow_s < fast_s / 2, (fast, slow)

@@ -80,6 +80,30 @@ def test_section_time_excludes_collective_wait(detector, monkeypatch):
     assert per["wait"] >= 29.0 and 9.5 <= per["compute"] < 25.0
 
 
+def test_added_collective_wait_counts_like_a_wrapped_collective(detector):
+    """A wait no wrapper sees (the exposed tail of DDP's asynchronous all-reduce, which ``backward``
+    waits for in C++) is added by the caller: the section excludes it, the step counts it."""
+    with pytest.raises(StragglerError, match="not initialized"):
+        Detector.add_collective_wait(0.01)
+    _start(window_steps=2)
+    sec = Detector.detection_section("backward")
+    for _ in range(3):
+        Detector.step()
+        with sec:
+            time.sleep(0.04)  # 10 ms own work + 30 ms waiting for a peer, unseen
+            Detector.add_collective_wait(0.03)
+        Detector.add_collective_wait(0.0)  # nothing to add: no change
+    Detector.step()
+    Detector.shutdown()
+    reports = Detector.last_reports()
+    assert reports, "no window scored"
+    local = reports[0].local_section_summaries["backward"]
+    per = reports[0].per_rank[0]
+    print(local, per)
+    assert 9.5 <= local["median"] < 25.0  # 10 ms own work, not 40 ms
+    assert per["wait"] >= 29.0 and 9.5 <= per["compute"] < 25.0
+
+
 def test_data_wait_decorator_and_wrapped_callables(detector):
     class Model:
         def forward(self, x):

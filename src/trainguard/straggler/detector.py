@@ -238,6 +238,20 @@ class Detector:
         return session.recorder.section(name)
 
     @classmethod
+    def add_collective_wait(cls, seconds: float) -> None:
+        """Count ``seconds`` of the current step as collective wait, like the time inside a
+        wrapped collective: for waits the wrappers cannot see, such as the part of DDP's
+        asynchronous gradient all-reduce that ``backward`` waited for. A section open now
+        excludes it from its duration. Training thread only; never blocks.
+
+        Raises:
+            StragglerError: not initialized.
+        """
+        recorder = cls._get().recorder
+        if seconds > 0:
+            recorder.coll_ns += int(seconds * 1e9)
+
+    @classmethod
     def data_wait(cls) -> DataWait:
         """Context manager whose body counts as data-loader wait for this step."""
         return cls._get().recorder.data_wait()

@@ -19,12 +19,15 @@ from trainguard.integrations.lightning._common import (
     set_active_client,
 )
 
-__all__ = ["SECTIONS", "FaultToleranceLogic"]
+__all__ = ["FIRST_CALCULATION_STEPS", "SECTIONS", "FaultToleranceLogic"]
 
 _log = get_logger("trainguard.integrations.lightning")
 #: sections this callback opens; only those given a timeout by the launcher
 #: (``--ft-rank-section-timeouts setup:600,step:60,...``) are watched, the rest cost nothing
 SECTIONS = ("setup", "step", "data", "validation", "checkpointing")
+#: batch ends after which timeouts are first calculated: the first point where every rank has a
+#: heartbeat gap and a completed ``step`` and ``data`` section
+FIRST_CALCULATION_STEPS = 2
 
 
 class FaultToleranceLogic:
@@ -35,13 +38,23 @@ class FaultToleranceLogic:
             the longest observed gap, max over ranks; ``--ft-safety-factor``) and keep them in
             this callback's ``state_dict``, so they travel in every checkpoint and apply from the
             first step of a resumed run.
-        calculate_after_steps: recalculation period in training steps (> 0). The first
-            calculation happens while the run's first checkpoint is built (from the gaps seen
-            so far, at least 2 steps), so every checkpoint carries calculated timeouts and a
-            restart right after the first save keeps them; then every ``calculate_after_steps``
-            steps, which brings checkpoint pauses into the measure (merged with the earlier
-            values). Until that recalculation a first save longer than ``min_timeout`` could be
-            taken for a hang: keep ``min_timeout`` above the longest blocking save.
+        calculate_after_steps: recalculation period in training steps (> 0, default 100). The
+            first calculation happens at the end of the run's second training batch (the first
+            point with a heartbeat gap and a completed ``step`` section on every rank), so a
+            checkpoint saved from then on carries calculated timeouts and a restart right after
+            the first save keeps them (a run that resumed with calculated timeouts skips it: the
+            same on every rank, they come from the same checkpoint); then at every batch end
+            whose step count (since ``fit`` started) is a multiple of
+            ``calculate_after_steps``, which brings checkpoint pauses and validation into the
+            measure (merged with the earlier values). Each calculation is a collective at a
+            batch end that every rank reaches at the same step count; the schedule depends on
+            nothing rank-local (not on saves: Lightning runs ``on_save_checkpoint`` wherever
+            ``dump_checkpoint`` is called, possibly on one rank only). Until a recalculation
+            has seen a save, a first save longer than ``min_timeout`` could be taken for a
+            hang: keep ``min_timeout`` above the longest blocking save. One calculation costs
+            the calling thread ~0.5-1 ms (two all-reduces, up to three monitor requests):
+            every 16 steps that was ~50 us per step, half the 1 % budget of a 10 ms step
+            (``bench/lightning_overhead.py``); every 100, < 10 us.
         min_timeout: floor in seconds (> 0) of every calculated timeout. A step of 10 ms gives a
             calculated heartbeat timeout of 50 ms at the default safety factor, which one pause
             of the machine (another job, swapping, a slow file system) would exceed; 30 s by
@@ -58,8 +71,11 @@ class FaultToleranceLogic:
         ConfigError: ``required`` and no ``trainguard launch`` monitor answered, or Lightning
             picked a cluster environment other than TorchElastic under the launcher.
 
-    Blocking: heartbeats and sections are shared-memory stores (< 1 us); a calculation is one
-    all-reduce (all ranks reach it at the same step) plus one request to the monitor (<= 5 s).
+    Blocking: heartbeats and sections are shared-memory stores (< 1 us); a calculation (at a
+    batch end, see ``calculate_after_steps``) is two small all-reduces (all ranks reach it at the
+    same step) plus up to three requests to the monitor (<= 5 s each). A save runs nothing of
+    this callback but ``state_dict`` (what is already known, no collective, no request): Lightning
+    builds a checkpoint wherever ``dump_checkpoint`` is called, possibly on one rank only.
 
     Follows: NVRx ``FaultToleranceCallback`` + ``FaultToleranceSectionsCallback`` (deprecated);
     differences: public hooks only (no patched strategy methods), any section set, timeouts in
@@ -67,7 +83,7 @@ class FaultToleranceLogic:
     the launcher is missing, and active in every ``fit`` (not only with autoresume).
     """
 
-    def __init__(self, *, calculate_timeouts: bool = True, calculate_after_steps: int = 16,
+    def __init__(self, *, calculate_timeouts: bool = True, calculate_after_steps: int = 100,
                  min_timeout: float = 30.0, required: bool = True,
                  client: RankMonitorClient | None = None) -> None:
         if not min_timeout > 0:
@@ -84,7 +100,6 @@ class FaultToleranceLogic:
         self.active = False
         self.calculations = 0
         self._steps = 0
-        self._saved = False
         self._loaded_state: dict[str, Any] | None = None
         self._poll: Callable[[], None] | None = None
 
@@ -105,7 +120,7 @@ class FaultToleranceLogic:
             _log.warning("FaultToleranceCallback inactive: %s", exc)
             return
         check_cluster_environment(trainer)
-        self.active, self._steps, self._saved = True, 0, False
+        self.active, self._steps = True, 0
         set_active_client(self.client)
         self.client.start_section("setup")
 
@@ -148,8 +163,11 @@ class FaultToleranceLogic:
         client.send_heartbeat()
         client.progress(1)
         self._steps += 1
-        if (self.calculate_timeouts and self._saved
-                and self._steps % self.calculate_after_steps == 0):
+        steps = self._steps
+        if self.calculate_timeouts and (
+                steps % self.calculate_after_steps == 0 and steps > FIRST_CALCULATION_STEPS
+                or steps == FIRST_CALCULATION_STEPS
+                and not _heartbeat_calculated(self.client.state_dict())):
             self.calculate()
         client.start_section("data")
 
@@ -166,23 +184,6 @@ class FaultToleranceLogic:
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.active:
             self.client.end_section("validation")
-
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any,
-                           checkpoint: dict[str, Any]) -> None:
-        # every rank builds the checkpoint dict at the same point (Trainer.save_checkpoint is
-        # called on all ranks), so the calculation's all-reduce pairs up
-        self._saved = True
-        if not (self.active and self.calculate_timeouts and self._steps >= 2) \
-                or _heartbeat_calculated(self.client.state_dict()):
-            return
-        # the first checkpoint of a run must already carry calculated timeouts: a restart right
-        # after it would otherwise run with the configured ones. Lightning collected the
-        # callbacks' state_dict just before this hook, so the entry is replaced here.
-        self.calculate()
-        states = checkpoint.get("callbacks")
-        key = getattr(self, "state_key", None)
-        if isinstance(states, dict) and key in states:
-            states[key] = self.state_dict()
 
     # -- timeouts ---------------------------------------------------------------------------
     def calculate(self) -> bool:

@@ -9,12 +9,15 @@ Sections per training batch, in Lightning's automatic-optimization order::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard._core.logging import get_logger
 from trainguard.errors import ConfigError
 from trainguard.integrations.lightning._common import checkpoint_poller
 from trainguard.straggler import Detector, Report, ScoringConfig
+
+if TYPE_CHECKING:
+    from trainguard.integrations.lightning._ddp_hook import OverlapTimer
 
 __all__ = ["StragglerLogic"]
 
@@ -47,10 +50,16 @@ class StragglerLogic:
         detector_kwargs: more :meth:`Detector.initialize` arguments (``actions``, ``store``, ...).
         time_ddp_allreduce: DDP's gradient all-reduce runs in C++ inside ``backward``, so a fast
             rank's wait for a slow one would count as its own compute and every rank would look
-            equally slow. ``"auto"`` (default: on with gloo, off with NCCL), True or False: register
-            a DDP communication hook that all-reduces each bucket through
-            ``torch.distributed.all_reduce`` (timed as collective wait by the detector). It
-            gives up the overlap of gradient communication with backward (small on CPU).
+            equally slow. ``"auto"`` (default: on with gloo, off with NCCL), True or False:
+            register a DDP communication hook that times it. On gloo the hook keeps DDP's
+            bucketed asynchronous all-reduce (overlapped with the rest of ``backward``) and
+            stamps each bucket's completion; the part ``backward`` waited for (last bucket
+            issued -> last completion) counts as collective wait. On other backends (True only)
+            each bucket goes through a blocking ``torch.distributed.all_reduce``, which the
+            detector times with CUDA events; on NCCL the blocking call only enqueues. DDP takes
+            one communication hook per model: when one is registered already (e.g.
+            ``DDPStrategy(ddp_comm_hook=...)``) a warning says so and the all-reduce stays
+            untimed; pass False to skip the attempt.
 
     If :class:`Detector` is already initialized (by the user), it is used and left running.
 
@@ -103,6 +112,7 @@ class StragglerLogic:
         self._marks: dict[str, tuple[Callable[[], Any], Callable[..., Any]]] = {}
         self._exit: Callable[..., Any] | None = None  # __exit__ of the open section
         self._poll: Callable[[], None] | None = None
+        self._overlap: OverlapTimer | None = None  # the gloo hook's state (None: no such hook)
         self._flagged = False
         self._steps = 0
 
@@ -120,8 +130,10 @@ class StragglerLogic:
         self._active, self._flagged, self._steps = True, False, 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._overlap = None
         if self._active and self.time_ddp_allreduce is not False:
-            self.ddp_hooked = _hook_ddp(trainer.strategy.model, self.time_ddp_allreduce)
+            self.ddp_hooked, self._overlap = _hook_ddp(trainer.strategy.model,
+                                                       self.time_ddp_allreduce)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not self._active:
@@ -164,6 +176,9 @@ class StragglerLogic:
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         if self._active:
+            overlap = self._overlap
+            if overlap is not None:  # before the section closes: it excludes the wait
+                Detector.add_collective_wait(overlap.take_exposed_s())
             self._close()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -211,18 +226,29 @@ class StragglerLogic:
             logger.log_metrics(metrics, step=step)
 
 
-def _hook_ddp(model: Any, mode: bool | str) -> bool:
-    """Register ``_ddp_hook.timed_allreduce`` on a DDP-wrapped model; True when registered."""
+def _hook_ddp(model: Any, mode: bool | str) -> tuple[bool, OverlapTimer | None]:
+    """Register a timed DDP communication hook on a DDP-wrapped model: the overlapped one on
+    gloo, the blocking one elsewhere (``mode`` True only). Returns (registered, the overlapped
+    hook's state or None)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
-        return False
+        return False, None
     group = model.process_group
-    if mode == "auto" and dist.get_backend(group) != "gloo":
-        return False
-    from trainguard.integrations.lightning._ddp_hook import timed_allreduce
+    from trainguard.integrations.lightning import _ddp_hook
 
-    model.register_comm_hook(group, timed_allreduce)
-    return True
-
+    gloo = dist.get_backend(group) == "gloo"
+    if not gloo and mode == "auto":
+        return False, None
+    timer = _ddp_hook.OverlapTimer(group) if gloo else None
+    try:
+        if timer is not None:
+            model.register_comm_hook(timer, _ddp_hook.overlapped_allreduce)
+        else:
+            model.register_comm_hook(group, _ddp_hook.timed_allreduce)
+    except RuntimeError as exc:  # DDP allows one hook per model (the user's came first)
+        _log.warning("StragglerCallback: DDP gradient all-reduce not timed (%s); pass "
+                     "time_ddp_allreduce=False when the model has a communication hook", exc)
+        return False, None
+    return True, timer
