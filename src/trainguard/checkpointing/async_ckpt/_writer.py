@@ -25,7 +25,16 @@ class WriterDied(Exception):
 
 
 class WriterProcess:
-    """One persistent ``spawn``-ed writer for this rank; restarted lazily after a death or kill."""
+    """Handle of one persistent writer process for this rank (or of none, between uses).
+
+    The process behind a handle can change: a dead one is replaced lazily, and an idle one can be
+    handed to the process-wide pool of warm writers (:meth:`detach`, see ``_pool``) and later
+    taken by this or another checkpointer's handle (:meth:`ensure_started`), so an in-process
+    restart or a new checkpointer does not wait for a fresh interpreter to import torch.
+
+    Counters (observable for tests): ``starts`` - processes this handle spawned cold;
+    ``taken`` - warm processes it took from the pool.
+    """
 
     def __init__(self, rank: int, nice: int = 0) -> None:
         self.rank, self.nice = rank, nice
@@ -34,6 +43,10 @@ class WriterProcess:
         self.pidfd: int | None = None
         self.ready = False
         self.starts = 0
+        self.taken = 0
+        self.owed = 0  # requests (save, commit) sent whose reply has not been read
+        self.park_on_release = True  # release(): an idle writer goes to the pool (else stopped)
+        self.sent_arenas: set[str] = set()
 
     @property
     def pid(self) -> int | None:
@@ -42,8 +55,13 @@ class WriterProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def idle(self) -> bool:
+        """Alive and owing no reply: it holds nothing of its checkpointer but mapped arenas."""
+        return self.owed == 0 and self.alive()
+
     def ensure_started(self) -> None:
-        """Start the writer if it is not running (returns at once; the child imports torch).
+        """Attach a writer if none is running: a warm one from the pool (same ``nice``), else a
+        new process (returns at once; the child imports torch meanwhile).
 
         The writer is ``python -m ...async_ckpt._worker`` (a fresh interpreter like ``spawn``, but
         without re-running the trainer's ``__main__``), talking ``_core.ipc`` messages over a
@@ -52,6 +70,19 @@ class WriterProcess:
         if self.alive():
             return
         self.stop(grace_s=0.0)
+        from trainguard.checkpointing.async_ckpt import _pool
+
+        warm = _pool.take(self.nice)
+        if warm is not None:
+            self._adopt(warm)
+            self.taken += 1
+            self.send({"op": "reset", "rank": self.rank})  # the worker logs as our rank
+            _log.debug("took warm checkpoint writer pid %d from the pool", self.proc.pid)
+            return
+        self.spawn()
+
+    def spawn(self) -> None:
+        """Start a new writer process on this (empty) handle; returns at once."""
         parent, child = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
@@ -64,13 +95,45 @@ class WriterProcess:
             raise
         finally:
             child.close()
-        self.proc, self.ready = proc, False
+        self.proc, self.ready, self.owed = proc, False, 0
         self.pidfd = os.pidfd_open(proc.pid)
         self.sock = parent
         self.conn = FrameReader(parent.fileno())
-        self.sent_arenas: set[str] = set()
+        self.sent_arenas = set()
         self.starts += 1
         _log.debug("started checkpoint writer pid %d", proc.pid)
+
+    def detach(self) -> WriterProcess | None:
+        """Move an idle process out of this handle into a new handle (for the pool); the worker
+        is told to unmap every arena it was sent. None (and nothing moved) when not idle."""
+        if not self.idle():
+            return None
+        try:
+            self.send({"op": "reset"})
+        except WriterDied:
+            return None
+        out = WriterProcess(self.rank, self.nice)
+        out._adopt(self)
+        return out
+
+    def _adopt(self, other: WriterProcess) -> None:
+        """Take ``other``'s process and handles; ``other`` is left empty."""
+        self.proc, self.sock, self.conn = other.proc, other.sock, other.conn
+        self.pidfd, self.ready, self.owed = other.pidfd, other.ready, 0
+        self.sent_arenas = set()
+        other.proc, other.conn, other.pidfd, other.ready = None, None, None, False
+
+    def release(self) -> None:
+        """Owner gone (finalizer, ``close``): an idle writer goes to the pool when
+        ``park_on_release`` is set, otherwise (or when busy) it is stopped (up to ~4 s)."""
+        if self.park_on_release:
+            warm = self.detach()
+            if warm is not None:
+                from trainguard.checkpointing.async_ckpt import _pool
+
+                _pool.park(warm)
+                return
+        self.stop(grace_s=2.0)
 
     def describe(self) -> str:
         if self.proc is None:
@@ -83,6 +146,8 @@ class WriterProcess:
         try:
             new = arena is not None and arena.name not in self.sent_arenas
             send_msg(self.sock.fileno(), _MSG, {**header, "arena_fd": new}, payload or b"")
+            if header.get("op") in ("save", "commit"):
+                self.owed += 1
             if new and arena is not None and arena.fd is not None:
                 socket.send_fds(self.sock, [b"F"], [arena.fd])
                 self.sent_arenas.add(arena.name)
@@ -102,6 +167,7 @@ class WriterProcess:
                 if reply.get("ready"):
                     self.ready = True
                     return {"ready": True}, None
+                self.owed = max(0, self.owed - 1)
                 return reply, (extra if reply.get("has_extra") else None)
         except (EOFError, OSError, ValueError, FrameError) as exc:
             self._reap()
@@ -112,10 +178,11 @@ class WriterProcess:
         return None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Ask the writer to exit, then SIGTERM -> SIGKILL after ``grace_s``; reaps it."""
+        """Ask the writer to exit, then SIGTERM -> SIGKILL after ``grace_s``; reaps it. A writer
+        not known to be ready (still importing torch: it holds nothing) gets SIGTERM at once."""
         if self.proc is None:
             return
-        if grace_s > 0 and self.alive():
+        if grace_s > 0 and self.alive() and self.ready:
             try:
                 send_msg(self.sock.fileno(), _MSG, {"op": "exit"})
                 self.proc.wait(grace_s)
@@ -160,7 +227,7 @@ class WriterProcess:
             self.sock.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
-        self.proc, self.conn, self.pidfd = None, None, None
+        self.proc, self.conn, self.pidfd, self.owed = None, None, None, 0
 
 
 class ArenaPool:
