@@ -166,9 +166,9 @@ def _prewarm() -> None:
     """Reserve rank (background thread): fill the pool, import the DCP planner's modules."""
     try:
         fill(int(_state["prewarm"]), int(os.environ.get("RANK", "-1")))
-        from trainguard.checkpointing.async_ckpt._dcp_plan import DcpPlanner
+        from trainguard.checkpointing.async_ckpt._dcp_plan import import_dcp
 
-        DcpPlanner(warm=True)
+        import_dcp()
     except Exception:  # noqa: BLE001 - a failed pre-warm only means a cold start later
         _log.exception("pre-warming checkpoint writers failed")
 
