@@ -144,9 +144,10 @@ def prewarm_writers(n: int) -> int:
     modules, in a background thread. The checkpointers made when the rank becomes active take
     these writers warm. Active ranks are not affected.
 
-    Memory cost: each pooled writer is one idle interpreter with torch imported, about 330 MB
-    resident (RSS measured with torch 2.13 CPU on x86-64; most of it shared, read-only library
-    pages), no GPU memory. ``0`` disables pre-warming. Default 2.
+    Memory cost: each pooled writer is one idle interpreter with torch imported: measured with
+    torch 2.13 (CPU build, x86-64, Python 3.11) at 275 MiB RSS, of which 146 MiB is its own
+    (USS; the rest is shared library pages), and no GPU memory. ``0`` disables pre-warming.
+    Default 2. Returns at once; the writers start when the rank next waits as a reserve.
 
     Args:
         n: writers to keep warm on a reserve rank, 0 to ``MAX_IDLE`` (4).

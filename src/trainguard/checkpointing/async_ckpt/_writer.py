@@ -75,10 +75,14 @@ class WriterProcess:
         warm = _pool.take(self.nice)
         if warm is not None:
             self._adopt(warm)
-            self.taken += 1
-            self.send({"op": "reset", "rank": self.rank})  # the worker logs as our rank
-            _log.debug("took warm checkpoint writer pid %d from the pool", self.proc.pid)
-            return
+            try:
+                self.send({"op": "reset", "rank": self.rank})  # the worker logs as our rank
+            except WriterDied:  # died in the pool just now: start a fresh one instead
+                self.stop(grace_s=0.0)
+            else:
+                self.taken += 1
+                _log.debug("took warm checkpoint writer pid %d from the pool", self.proc.pid)
+                return
         self.spawn()
 
     def spawn(self) -> None:
