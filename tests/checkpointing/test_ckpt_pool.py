@@ -4,6 +4,7 @@ failed checkpointers, bounds, in-process restarts and reserve-rank pre-warming."
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 
@@ -184,3 +185,22 @@ def test_reserve_rank_standby_prewarms_writers(single_rank_env):
             ck.close()
     finally:
         prewarm_writers(old)
+
+
+@pytest.mark.timeout(90)
+def test_starting_writer_with_a_queued_save_is_parked_not_killed(tmp_path):
+    """A save made while the writer still imports torch waits trainer-side; an abort then drops it
+    and parks the writer (its import progress kept) instead of killing it, and the dropped save
+    never reaches the disk."""
+    ck = AsyncCheckpointer(tmp_path)
+    try:
+        ck.save({"w": torch.ones(1 << 12)}, 1)
+        pid = ck.writer.pid
+        assert not ck.writer.ready and ck.writer.owed == 0 and len(ck.writer.backlog) == 1
+        ck.abort()
+        assert _pool.idle_pids() == [pid]
+        ck.save({"w": torch.full((1 << 12,), 2.0)}, 2)
+        assert ck.writer.pid == pid and ck.wait() == [2]
+        assert ck.manager.committed_steps() == [2] and not os.path.exists(ck.manager.path_of(1))
+    finally:
+        ck.close()

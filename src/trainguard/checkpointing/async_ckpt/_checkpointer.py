@@ -753,7 +753,7 @@ class AsyncCheckpointer(LoadMixin):
         """
         if threading.current_thread() is not threading.main_thread():
             self._abort_pending = True
-            if any(self._owes(r) for r in tuple(self.queue)):
+            if self.writer.owed > 0:  # requests on the wire; a starting writer has none
                 self.writer.signal_kill()
             defer_to_restart(f"trainguard.checkpointing.async.{id(self)}",
                              self._apply_pending_abort)
@@ -771,7 +771,7 @@ class AsyncCheckpointer(LoadMixin):
         """Forget every queued save; kill a busy or dead writer. With ``to_pool`` (abort) an idle
         writer is parked in the pool, and a killed one is replaced there."""
         had = self.writer.proc is not None
-        if any(self._owes(r) for r in tuple(self.queue)) or not self.writer.alive():
+        if not self.writer.idle():  # dead, or requests on the wire (a starting one has none)
             self.writer.kill()
             if to_pool and had:
                 _pool.spawn(self.writer.rank, self.writer.nice)

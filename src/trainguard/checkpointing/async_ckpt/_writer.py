@@ -47,6 +47,7 @@ class WriterProcess:
         self.owed = 0  # requests (save, commit) sent whose reply has not been read
         self.park_on_release = True  # release(): an idle writer goes to the pool (else stopped)
         self.sent_arenas: set[str] = set()
+        self.backlog: list[tuple[dict[str, Any], bytes | None, Arena | None]] = []
 
     @property
     def pid(self) -> int | None:
@@ -56,7 +57,8 @@ class WriterProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def idle(self) -> bool:
-        """Alive and owing no reply: it holds nothing of its checkpointer but mapped arenas."""
+        """Alive and owing no reply (requests waiting in :attr:`backlog` for a writer that is
+        still starting do not count): it holds nothing of its owner but mapped arenas."""
         return self.owed == 0 and self.alive()
 
     def ensure_started(self) -> None:
@@ -103,7 +105,7 @@ class WriterProcess:
         self.pidfd = os.pidfd_open(proc.pid)
         self.sock = parent
         self.conn = FrameReader(parent.fileno())
-        self.sent_arenas = set()
+        self.sent_arenas, self.backlog = set(), []
         self.starts += 1
         _log.debug("started checkpoint writer pid %d", proc.pid)
 
@@ -112,8 +114,9 @@ class WriterProcess:
         is told to unmap every arena it was sent. None (and nothing moved) when not idle."""
         if not self.idle():
             return None
+        self.backlog = []  # never sent: the owner drops these requests
         try:
-            self.send({"op": "reset"})
+            self._send_now({"op": "reset"}, None, None)
         except WriterDied:
             return None
         out = WriterProcess(self.rank, self.nice)
@@ -124,7 +127,7 @@ class WriterProcess:
         """Take ``other``'s process and handles; ``other`` is left empty."""
         self.proc, self.sock, self.conn = other.proc, other.sock, other.conn
         self.pidfd, self.ready, self.owed = other.pidfd, other.ready, 0
-        self.sent_arenas = set()
+        self.sent_arenas, self.backlog, other.backlog = set(), [], []
         other.proc, other.conn, other.pidfd, other.ready = None, None, None, False
 
     def release(self) -> None:
@@ -146,7 +149,35 @@ class WriterProcess:
 
     def send(self, header: dict[str, Any], payload: bytes | None = None,
              arena: Arena | None = None) -> None:
-        """Send one request (plus the arena's fd the first time). Raises WriterDied if broken."""
+        """Send one request (plus the arena's fd the first time). Raises WriterDied if broken.
+
+        Until the writer is ready (still importing torch) requests wait here, in order, and go
+        out when its ready message is read (:meth:`recv`, or here): a writer that is still
+        starting then holds nothing of its owner, so an abort parks it (keeping its import
+        progress) instead of killing it."""
+        if not self.ready:
+            self._poll_ready()
+        if not self.ready:
+            if self.proc is None:
+                raise WriterDied("writer not running (stopped or aborted)")
+            self.backlog.append((header, payload, arena))
+            return
+        self._send_now(header, payload, arena)
+
+    def _poll_ready(self) -> None:
+        """Read the ready message if it has arrived (before it nothing else can arrive)."""
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            readable = select.select([conn.fd], [], [], 0)[0]
+        except (OSError, ValueError):
+            return
+        if readable:
+            self.recv(0.0)
+
+    def _send_now(self, header: dict[str, Any], payload: bytes | None,
+                  arena: Arena | None) -> None:
         try:
             new = arena is not None and arena.name not in self.sent_arenas
             send_msg(self.sock.fileno(), _MSG, {**header, "arena_fd": new}, payload or b"")
@@ -170,6 +201,9 @@ class WriterProcess:
                 reply, extra = decode_msg(conn.recv()[1])
                 if reply.get("ready"):
                     self.ready = True
+                    backlog, self.backlog = self.backlog, []
+                    for item in backlog:
+                        self._send_now(*item)
                     return {"ready": True}, None
                 self.owed = max(0, self.owed - 1)
                 return reply, (extra if reply.get("has_extra") else None)
@@ -232,6 +266,7 @@ class WriterProcess:
         if self.pidfd is not None:
             os.close(self.pidfd)
         self.proc, self.conn, self.pidfd, self.owed = None, None, None, 0
+        self.backlog = []
 
 
 class ArenaPool:
