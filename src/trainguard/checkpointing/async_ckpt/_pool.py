@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 
 from trainguard._core.hooks import register_release_callback, register_standby_callback
 from trainguard._core.logging import get_logger
@@ -44,6 +45,7 @@ _lock = threading.Lock()
 _idle: list[WriterProcess] = []
 _state = {"prewarm": 2, "closed": False}
 _prewarm_thread: list[threading.Thread] = []
+_cancel = threading.Event()  # drain(): a pre-warm waiting for a writer to start gives up
 
 
 def enabled() -> bool:
@@ -82,9 +84,10 @@ def park(writer: WriterProcess) -> bool:
     return False
 
 
-def spawn(rank: int, nice: int = 0) -> bool:
-    """Start a new writer straight into the pool (returns at once; it imports torch meanwhile).
-    False (nothing started) when the pool is full or disabled."""
+def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0) -> bool:
+    """Start a new writer into the pool; False (nothing started) when the pool is full or
+    disabled. With ``ready_timeout_s`` > 0 it is pooled only once ready (blocks up to that long;
+    one that is not ready by then is pooled anyway), else at once (it imports torch meanwhile)."""
     if not enabled():
         return False
     with _lock:
@@ -92,19 +95,30 @@ def spawn(rank: int, nice: int = 0) -> bool:
             return False
     writer = WriterProcess(rank, nice)
     writer.spawn()
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        while not writer.ready and time.monotonic() < deadline and not _cancel.is_set():
+            writer.recv(min(0.5, max(0.0, deadline - time.monotonic())))
+    except WriterDied:
+        writer.stop(grace_s=0.0)
+        return False
+    if _cancel.is_set():
+        writer.stop(grace_s=0.0)
+        return False
     return park(writer)
 
 
-def fill(n: int, rank: int = -1, nice: int = 0) -> int:
-    """Spawn writers (``nice``) into the pool until it holds ``n`` (capped at MAX_IDLE);
-    returns how many were started."""
+def fill(n: int, rank: int = -1, nice: int = 0, ready_timeout_s: float = 120.0) -> int:
+    """Spawn writers (``nice``) into the pool until it holds ``n`` (capped at MAX_IDLE), one at
+    a time: each is pooled once ready (up to ``ready_timeout_s``), so the imports do not compete
+    with each other for CPU. Blocks for their start-ups; returns how many were started."""
     started = 0
     while enabled():
         with _lock:
             have = sum(1 for w in _idle if w.nice == nice)
             if have >= min(n, MAX_IDLE) or len(_idle) >= MAX_IDLE:
                 break
-        if not spawn(rank, nice):
+        if not spawn(rank, nice, ready_timeout_s):
             break
         started += 1
     return started
@@ -118,10 +132,14 @@ def idle_pids() -> list[int]:
 
 def drain(grace_s: float = 2.0) -> int:
     """Stop every pooled writer (asked to exit, SIGKILL after ``grace_s``, reaped); returns how
-    many. Waits for a running prewarm first (bounded by 10 s). Blocks up to ~``grace_s`` + 2 s
-    per writer."""
-    for t in _prewarm_thread:
-        t.join(10.0)
+    many. A running pre-warm is cancelled first (its starting writer is stopped; ~1 s). Blocks up
+    to ~``grace_s`` + 2 s per writer."""
+    _cancel.set()
+    try:
+        for t in _prewarm_thread:
+            t.join(10.0)
+    finally:
+        _cancel.clear()
     with _lock:
         writers = list(_idle)
         _idle.clear()
