@@ -162,9 +162,15 @@ def test_checkpointer_made_inside_wrapped_function_reuses_the_previous_writer(
 @pytest.mark.timeout(90)
 def test_reserve_rank_standby_prewarms_writers(single_rank_env):
     """A rank the Wrapper leaves inactive (a reserve) runs the standby callbacks: the pool fills
-    to prewarm_writers(n) writers and the trainer imports DCP's planner modules."""
+    to prewarm_writers(n) writers and the trainer imports DCP's planner modules (from its second
+    wait on: at job start the active ranks' own writers are starting)."""
     old = prewarm_writers(1)
+    _pool._state["standby_calls"] = 0
+    _pool._prewarm_thread.clear()
     try:
+        run_standby_callbacks()  # the first wait of a process (job start): nothing starts
+        assert _pool.idle_pids() == [] and not _pool._prewarm_thread
+
         @Wrapper(**FAST, rank_assignment=ActiveWorldSizeDivisibleBy(2))  # 1 rank: none active
         def train(cw: CallWrapper):
             raise AssertionError("a reserve rank must not run the function")

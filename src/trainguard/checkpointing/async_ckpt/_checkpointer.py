@@ -730,7 +730,7 @@ class AsyncCheckpointer(LoadMixin):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def abort(self) -> None:
-        """Kill the writer and drop every queued save without collectives (restart path).
+        """Release the writer (park or kill) and drop every queued save, no collectives (restart).
 
         Safe from any thread of the trainer. A writer that owes no reply is detached into the
         process-wide writer pool (it unmaps this checkpointer's arenas); a busy one is killed and

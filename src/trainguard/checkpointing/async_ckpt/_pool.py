@@ -43,7 +43,7 @@ MAX_IDLE = 4  # idle writers kept at most (each an interpreter with torch import
 _DISABLE_ENV = "TRAINGUARD_CKPT_WRITER_POOL"  # "0": no pool (the benchmark's baseline)
 _lock = threading.Lock()
 _idle: list[WriterProcess] = []
-_state = {"prewarm": 2, "closed": False}
+_state = {"prewarm": 2, "closed": False, "standby_calls": 0}
 _prewarm_thread: list[threading.Thread] = []
 _cancel = threading.Event()  # drain(): a pre-warm waiting for a writer to start gives up
 
@@ -157,10 +157,11 @@ def prewarm_writers(n: int) -> int:
     A reserve (inactive) rank under ``inprocess.Wrapper`` makes no checkpointers until it becomes
     active, and then makes them all at once: each would start a writer process that imports
     torch, competing for CPU exactly when the restart needs it. While a rank waits as a reserve,
-    the Wrapper runs the ``_core.hooks`` standby callbacks; checkpointing's fills this process's
-    writer pool up to ``n`` writers (``writer_nice=0``) and imports the trainer-side DCP planner
-    modules, in a background thread. The checkpointers made when the rank becomes active take
-    these writers warm. Active ranks are not affected.
+    the Wrapper runs the ``_core.hooks`` standby callbacks; from the second such wait on (not
+    at job start, where the active ranks start their own writers), checkpointing's fills this
+    process's writer pool up to ``n`` writers (``writer_nice=0``, one at a time) and imports the
+    trainer-side DCP planner modules, in a background thread. The checkpointers made when the
+    rank becomes active take these writers warm. Active ranks are not affected.
 
     Memory cost: each pooled writer is one idle interpreter with torch imported: measured with
     torch 2.13 (CPU build, x86-64, Python 3.11) at 275 MiB RSS, of which 146 MiB is its own
@@ -194,8 +195,11 @@ def _prewarm() -> None:
 
 def on_standby() -> None:
     """``_core.hooks`` standby callback: start :func:`_prewarm` in a named thread (once at a
-    time); returns at once."""
-    if int(_state["prewarm"]) <= 0 or not enabled():
+    time); returns at once. The first call of the process does nothing: at job start every
+    active rank is starting its own writers, and pre-warming then would compete with them for
+    CPU; a reserve is needed only after a rank left, i.e. after a restart."""
+    _state["standby_calls"] += 1
+    if int(_state["prewarm"]) <= 0 or not enabled() or _state["standby_calls"] < 2:
         return
     with _lock:
         if any(t.is_alive() for t in _prewarm_thread):
