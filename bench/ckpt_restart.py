@@ -7,13 +7,14 @@ invocation.
 Each mode runs in its own fresh process (``TRAINGUARD_CKPT_WRITER_POOL=0`` for the baseline): a
 one-rank ``inprocess.Wrapper`` whose function makes ``--kinds`` ``AsyncCheckpointer``s (torch
 format, DCP format, and a second torch one as ``LocalCheckpointManager`` holds), trains (a
-matmul per step, ~``--step-ms`` ms), saves on each every step (``if_busy="skip"``) and calls the
-non-blocking ``maybe_finalize`` every step until every checkpointer has committed one save, then
-raises; ``--restarts`` restarts in all. Figure per restart: seconds from the raise to the step at
-which every checkpointer of the new iteration has committed (``restart_to_commit_s``); also the
-part after re-entry (``entry_to_commit_s``) and the longest step of the iteration
-(``max_step_s``: what a soft timeout would see). Prints a table (min / median / max per mode),
-then one JSON line. Exit status 0, 1 if a mode failed, 2 for bad arguments.
+matmul per step, ~``--step-ms`` ms), saves on each at its first step and calls the non-blocking
+``maybe_finalize`` every step until every checkpointer has committed that save, then raises (the
+writers are idle at the fault, as with a save every N steps; a writer busy at the fault is
+killed in both modes); ``--restarts`` restarts in all. Figure per restart: seconds from the
+raise to the step at which every checkpointer of the new iteration has committed
+(``restart_to_commit_s``); also the part after re-entry (``entry_to_commit_s``) and the longest
+step of the iteration (``max_step_s``: what a soft timeout would see). Prints a table (min /
+median / max per mode), then one JSON line. Exit status 0, 1 if a mode failed, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _child(args: argparse.Namespace) -> None:
     fault_t: list[float] = []
     a = torch.randn(256, 256)
 
-    @Wrapper(soft_timeout=30.0, hard_timeout=60.0, barrier_timeout=60.0,
-             heartbeat_timeout=20.0, heartbeat_interval=0.5)
+    @Wrapper(soft_timeout=30.0, hard_timeout=60.0, barrier_timeout=90.0,
+             heartbeat_timeout=20.0, heartbeat_interval=0.5, completion_timeout=90.0)
     def train(cw: CallWrapper) -> None:
         entry = time.monotonic()
         fmts = ["torch", "dcp", "torch"][: args.kinds]
@@ -56,10 +57,10 @@ def _child(args: argparse.Namespace) -> None:
                 torch.mm(a, a)
             state = {"w": torch.full((args.numel,), float(step))}
             for i, ck in enumerate(cks):
-                if i not in done:
-                    ck.save(state, step, if_busy="skip")
-                    if ck.maybe_finalize():
-                        done.add(i)
+                if step == 1:
+                    ck.save(state, step)
+                if i not in done and ck.maybe_finalize():
+                    done.add(i)
             max_step = max(max_step, time.monotonic() - t0)
         now = time.monotonic()
         if fault_t:
