@@ -19,6 +19,7 @@ from trainguard.checkpointing import (
     CheckpointWriteError,
     StateDictError,
 )
+from trainguard.checkpointing.async_ckpt import _pool
 from trainguard.checkpointing.manager import rank_file
 from trainguard.errors import ConfigError
 
@@ -216,10 +217,14 @@ def test_reset_callback_kills_writer_and_next_save_respawns(tmp_path):
         pid = ck.writer.pid
         ck.save(_state(2.0), 2)  # in flight when the restart aborts
         assert "trainguard.checkpointing.async" not in run_reset_callbacks()
-        assert ck.writer.pid not in (None, pid) and ck.num_unfinalized == 0  # fresh one started
+        # the busy writer is killed; its replacement starts in the writer pool at once
+        assert ck.writer.pid is None and ck.num_unfinalized == 0
+        fresh = _pool.idle_pids()
+        assert len(fresh) == 1 and pid not in fresh
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         ck.save(_state(3.0), 3)
-        assert ck.wait() == [3] and ck.writer.pid != pid and ck.writer.starts == 2
+        assert ck.wait() == [3] and ck.writer.pid == fresh[0] and _pool.idle_pids() == []
+        assert ck.writer.starts == 1 and ck.writer.taken == 1
     finally:
         ck.close(finalize=False)
 

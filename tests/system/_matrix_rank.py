@@ -181,8 +181,8 @@ def _train(rank: Rank, cw: CallWrapper) -> dict[str, Any]:
         if step % cfg["ckpt_every"] == 0:
             for kind, ck in cks.items():
                 # One save in flight per kind (the next would block on it, past the soft
-                # timeout while a new writer imports torch). Commits are agreed collectively,
-                # so every rank skips alike.
+                # timeout if the writer were still importing torch). Commits are agreed
+                # collectively, so every rank skips alike.
                 if step > last[kind] and kind not in in_flight and (faulty or k <= 2 * cfg[
                         "ckpt_every"]):
                     _save(kind, ck, step)

@@ -1,8 +1,15 @@
-"""Process-wide registry of reset callbacks, run when an in-process restart aborts an iteration.
+"""Process-wide registries of callbacks through which capabilities meet without imports.
 
 Capabilities never import each other: a capability that owns global helpers (async-checkpoint
 workers, straggler detectors, cached singletons bound to a dead process group) registers a
-callback here, and the in-process restart's abort step runs them all.
+callback here, and the capability that knows when to act runs them all:
+
+* reset callbacks (+ deferred resets): the in-process restart's abort step;
+* standby callbacks: the in-process restart runs them on a reserve (inactive) rank once per
+  iteration it waits, so a capability can prepare what the rank needs when it becomes active
+  (warm checkpoint writers);
+* release callbacks: free process-wide idle resources kept for reuse (pooled writer processes);
+  run by ``trainguard.testing.LeakChecker`` before it counts leaked children.
 """
 
 from __future__ import annotations
@@ -14,16 +21,23 @@ from trainguard._core.logging import get_logger
 
 __all__ = [
     "defer_to_restart",
+    "register_release_callback",
     "register_reset_callback",
+    "register_standby_callback",
     "run_deferred_resets",
+    "run_release_callbacks",
     "run_reset_callbacks",
+    "run_standby_callbacks",
     "unregister_reset_callback",
+    "unregister_standby_callback",
 ]
 
 _log = get_logger("trainguard.core.hooks")
 _lock = threading.Lock()
 _callbacks: dict[str, Callable[[], None]] = {}
 _deferred: dict[str, Callable[[], None]] = {}
+_standby: dict[str, Callable[[], None]] = {}
+_release: dict[str, Callable[[], None]] = {}
 
 
 def register_reset_callback(name: str, fn: Callable[[], None]) -> None:
@@ -42,6 +56,39 @@ def run_reset_callbacks() -> list[str]:
     with _lock:
         items = list(_callbacks.items())
     return _run_each(items, "reset callback")
+
+
+def register_standby_callback(name: str, fn: Callable[[], None]) -> None:
+    """Register (or replace) standby callback ``name``: called in the main thread of a reserve
+    rank while it waits; it must return at once (start a thread for slow work) and not raise."""
+    with _lock:
+        _standby[name] = fn
+
+
+def unregister_standby_callback(name: str) -> None:
+    with _lock:
+        _standby.pop(name, None)
+
+
+def run_standby_callbacks() -> list[str]:
+    """Run every standby callback; returns the names whose callback raised (logged)."""
+    with _lock:
+        items = list(_standby.items())
+    return _run_each(items, "standby callback")
+
+
+def register_release_callback(name: str, fn: Callable[[], None]) -> None:
+    """Register (or replace) release callback ``name``: stops idle resources kept for reuse
+    (bounded: seconds at most); must not raise."""
+    with _lock:
+        _release[name] = fn
+
+
+def run_release_callbacks() -> list[str]:
+    """Run every release callback (any thread); returns the names whose callback raised."""
+    with _lock:
+        items = list(_release.items())
+    return _run_each(items, "release callback")
 
 
 def defer_to_restart(name: str, fn: Callable[[], None]) -> None:

@@ -14,6 +14,7 @@ from trainguard.checkpointing.async_ckpt import (
     SaveRequest,
     SaveState,
     abort_all_checkpointers,
+    prewarm_writers,
 )
 from trainguard.checkpointing.errors import (
     CheckpointError,
@@ -59,5 +60,6 @@ __all__ = [
     "abort_all_checkpointers",
     "commit_file",
     "latest",
+    "prewarm_writers",
     "storage_for",
 ]

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainguard._core.hooks import run_deferred_resets
+from trainguard._core.hooks import run_deferred_resets, run_standby_callbacks
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier, wait_key
 from trainguard.inprocess import _coord as co
@@ -164,6 +164,8 @@ class LoopMixin:
             a, kw = bind_call_wrapper(self.fn, type(self.call_wrapper), self.call_wrapper,
                                       args, kwargs)
             ret = self.fn(*a, **kw)
+        else:  # a reserve: capabilities prepare for becoming active (warm checkpoint writers)
+            run_standby_callbacks()
         self.completion_barrier()
         return ret
 

@@ -10,5 +10,7 @@ from trainguard.checkpointing.async_ckpt._checkpointer import (
     SaveState,
     abort_all_checkpointers,
 )
+from trainguard.checkpointing.async_ckpt._pool import prewarm_writers
 
-__all__ = ["AsyncCheckpointer", "SaveRequest", "SaveState", "abort_all_checkpointers"]
+__all__ = ["AsyncCheckpointer", "SaveRequest", "SaveState", "abort_all_checkpointers",
+           "prewarm_writers"]

@@ -31,6 +31,7 @@ from trainguard._core.hooks import defer_to_restart, register_reset_callback
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing import _staging
 from trainguard.checkpointing._loadable import check_loadable
+from trainguard.checkpointing.async_ckpt import _pool
 from trainguard.checkpointing.async_ckpt._commit import (
     check_same_save,
     commit_header,
@@ -100,13 +101,20 @@ class AsyncCheckpointer(LoadMixin):
         on_error: ``"raise"`` (default) or ``"log"``: a failed save is logged and counted in
             ``failed_saves`` and training continues (the next save retries).
         writer_nice: niceness added to the writer (e.g. 10 on CPU-bound trainers; 0 = same).
-        keep_idle_writer: ``abort()`` keeps a writer with no write in flight (it holds nothing
-            of the aborted iteration), so the saves after an in-process restart do not wait
-            seconds for a fresh writer to import torch; a busy writer is always killed.
+        keep_idle_writer: accepted for compatibility; idle writers are now always kept:
+            ``abort()`` parks a writer with no write in flight (it holds nothing of the aborted
+            iteration) in the process-wide pool of warm writers, where this checkpointer's next
+            use or a checkpointer made after the restart takes it, so no save after an
+            in-process restart waits seconds for a fresh writer to import torch. A busy writer
+            is always killed (and a replacement starts in the pool at once).
         faults: test seam, step -> fault dict for the writer (see ``_worker``).
 
-    The writer process is started here (it imports torch while training runs), so no save pays
-    for its start-up; :meth:`warmup` also waits for it and pre-allocates the staging memory.
+    The writer process is taken warm from the process-wide pool (``_pool``: writers of aborted
+    or abandoned checkpointers, pre-warmed ones on a reserve rank, see
+    :func:`~trainguard.checkpointing.prewarm_writers`) or started here (it imports torch while
+    training runs), so no save pays for its start-up; :meth:`warmup` also waits for it and
+    pre-allocates the staging memory. With checkpointers made inside an ``inprocess.Wrapper``
+    function the number of writer processes stays the number of checkpointers.
     The commit (manifest fsyncs, keep-last pruning) runs in rank 0's writer; the trainers only
     agree on the outcome.
 
@@ -118,7 +126,10 @@ class AsyncCheckpointer(LoadMixin):
           (``CheckpointWorkerError`` for dead/stuck) from ``maybe_finalize`` on every rank;
         * the previous committed checkpoint stays loadable and the next ``save`` works (it
           restarts the writer when needed);
-        * ``abort()`` (also run by in-process restart's reset callbacks) kills the writer.
+        * ``abort()`` (also run by in-process restart's reset callbacks) kills a busy writer and
+          parks an idle one in the pool; ``close()`` stops the writer; leaving a ``with`` block
+          with an exception, or dropping the last reference, parks an idle writer (at most
+          ``_pool.MAX_IDLE`` pooled; pooled writers stop at interpreter exit).
 
     Follows: NVRx ``AsyncCallsQueue`` + persistent caller; differences: true snapshots in reused
     shm arenas, liveness checks and timeouts, checksums and a manifest commit marker.
@@ -719,13 +730,16 @@ class AsyncCheckpointer(LoadMixin):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def abort(self) -> None:
-        """Kill the writer and drop every queued save without collectives (restart path).
+        """Release the writer (park or kill) and drop every queued save, no collectives (restart).
 
-        Safe from any thread of the trainer; a fresh writer is started at once (it imports torch
-        while the restart goes on, so the next save does not wait for it); the next ``save``
-        recreates the checkpointer's process group (re-reading rank and world size). With
-        ``keep_idle_writer`` a writer that owes no reply is kept. Blocks for the SIGKILL and reap
-        of the writer (milliseconds, at most about 5.5 s).
+        Safe from any thread of the trainer. A writer that owes no reply is detached into the
+        process-wide writer pool (it unmaps this checkpointer's arenas); a busy one is killed and
+        a replacement is started in the pool at once (it imports torch while the restart goes
+        on). Afterwards this checkpointer holds no writer: its next use (``save``, the commit,
+        :meth:`warmup`) takes a warm one from the pool, and so does a checkpointer made after
+        the restart. The next ``save`` recreates the checkpointer's process group (re-reading
+        rank and world size). Blocks for the SIGKILL and reap of a busy writer (milliseconds,
+        at most about 5.5 s).
 
         Called off the main thread (the in-process restart's monitor thread runs it through the
         reset callbacks while the main thread may still be inside this checkpointer), it only
@@ -739,27 +753,32 @@ class AsyncCheckpointer(LoadMixin):
         """
         if threading.current_thread() is not threading.main_thread():
             self._abort_pending = True
-            if not (self.keep_idle_writer and not any(self._owes(r) for r in tuple(self.queue))):
+            if self.writer.owed > 0:  # requests on the wire; a starting writer has none
                 self.writer.signal_kill()
             defer_to_restart(f"trainguard.checkpointing.async.{id(self)}",
                              self._apply_pending_abort)
             return
         self._abort_pending = False
         self._overlap.drop()
-        self._drop()
-        if not self._closed:
-            self.writer.ensure_started()
+        self._drop(to_pool=not self._closed)
 
     def _apply_pending_abort(self) -> None:
         """Main thread: finish an abort requested from another thread (no-op otherwise)."""
         if self._abort_pending and threading.current_thread() is threading.main_thread():
             self.abort()
 
-    def _drop(self) -> None:
-        """Kill the writer (unless idle and kept) and forget every queued save."""
-        if not (self.keep_idle_writer and self.writer.alive()
-                and not any(self._owes(r) for r in tuple(self.queue))):
+    def _drop(self, to_pool: bool) -> None:
+        """Forget every queued save; kill a busy or dead writer. With ``to_pool`` (abort) an idle
+        writer is parked in the pool, and a killed one is replaced there."""
+        had = self.writer.proc is not None
+        if not self.writer.idle():  # dead, or requests on the wire (a starting one has none)
             self.writer.kill()
+            if to_pool and had:
+                _pool.spawn(self.writer.rank, self.writer.nice)
+        elif to_pool:
+            warm = self.writer.detach()
+            if warm is not None:
+                _pool.park(warm)
         for req in tuple(self.queue):
             self.pool.release(req.id)
         self.queue.clear()
@@ -779,7 +798,12 @@ class AsyncCheckpointer(LoadMixin):
         self.world_size = dist.get_world_size() if self.use_dist else 1
 
     def close(self, finalize: bool = True) -> None:
-        """Finalize pending saves (if ``finalize``), stop the writer, unlink staging memory."""
+        """Finalize pending saves (if ``finalize``), stop the writer, unlink staging memory.
+
+        Blocks for the finalize (see :meth:`wait`) and the writer's exit (up to ~4 s)."""
+        self._close(finalize, park=False)
+
+    def _close(self, finalize: bool, park: bool) -> None:
         try:
             if finalize and self.queue:
                 self.wait()
@@ -788,14 +812,20 @@ class AsyncCheckpointer(LoadMixin):
             self._overlap.close()
             self._closed = True
             if not finalize:
-                self._drop()
+                self._drop(to_pool=False)
+            self.writer.park_on_release = park
             self._finalizer()
 
     def __enter__(self) -> AsyncCheckpointer:  # noqa: PYI034
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(finalize=exc_type is None)
+        """Without an exception: :meth:`close`. With one: drop pending saves, and park an idle
+        writer in the pool (an in-process restart's next iteration takes it warm)."""
+        if exc_type is None:
+            self.close()
+        else:
+            self._close(finalize=False, park=True)
 
 
 def _stage_fault(fault: dict | None, late: list, arena: _staging.Arena,
@@ -816,5 +846,7 @@ def _stage_fault(fault: dict | None, late: list, arena: _staging.Arena,
 
 
 def _release(writer: WriterProcess, pool: ArenaPool) -> None:
-    writer.stop(grace_s=2.0)
+    """Finalizer (close, or the checkpointer was garbage collected): park or stop the writer
+    (``writer.park_on_release``), then unlink the staging arenas."""
+    writer.release()
     pool.close()

@@ -8,6 +8,8 @@ record. Rank 0's writer also commits (``op: commit``): the DCP ``.metadata``, th
 OSError itself (e.g. "No space left on device") with the path and sizes. Requests and replies are
 ``_core.ipc`` messages (kind 1) on the socket the trainer passed as a descriptor. The worker exits
 when asked, when its pipe closes (one line on stderr, no traceback), or when its parent dies.
+``op: reset`` (no reply) unmaps every arena it was sent: the trainer parks an idle writer in its
+process-wide pool of warm writers (``_pool``) and another checkpointer may take it.
 
 Fault injection (test seam): a request may carry ``fault`` = {"phase", "action", "errno"}; phases
 are ``recv`` (before writing), ``write``/``fsync``/``replace`` (patched ``os`` calls), ``reply``
@@ -237,6 +239,12 @@ class _Worker:
             return False
         if req["op"] == "release":
             self.release(req["arena"])
+            return True
+        if req["op"] == "reset":  # back to the pool, or taken from it: hold nothing of anyone
+            for name in list(self.maps):
+                self.release(name)
+            if "rank" in req:
+                os.environ["RANK"] = str(req["rank"])
             return True
         if req.get("arena_fd"):
             self.receive_arena(req["arena"])

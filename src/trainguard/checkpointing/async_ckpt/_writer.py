@@ -25,7 +25,16 @@ class WriterDied(Exception):
 
 
 class WriterProcess:
-    """One persistent ``spawn``-ed writer for this rank; restarted lazily after a death or kill."""
+    """Handle of one persistent writer process for this rank (or of none, between uses).
+
+    The process behind a handle can change: a dead one is replaced lazily, and an idle one can be
+    handed to the process-wide pool of warm writers (:meth:`detach`, see ``_pool``) and later
+    taken by this or another checkpointer's handle (:meth:`ensure_started`), so an in-process
+    restart or a new checkpointer does not wait for a fresh interpreter to import torch.
+
+    Counters (observable for tests): ``starts`` - processes this handle spawned cold;
+    ``taken`` - warm processes it took from the pool.
+    """
 
     def __init__(self, rank: int, nice: int = 0) -> None:
         self.rank, self.nice = rank, nice
@@ -34,6 +43,11 @@ class WriterProcess:
         self.pidfd: int | None = None
         self.ready = False
         self.starts = 0
+        self.taken = 0
+        self.owed = 0  # requests (save, commit) sent whose reply has not been read
+        self.park_on_release = True  # release(): an idle writer goes to the pool (else stopped)
+        self.sent_arenas: set[str] = set()
+        self.backlog: list[tuple[dict[str, Any], bytes | None, Arena | None]] = []
 
     @property
     def pid(self) -> int | None:
@@ -42,8 +56,14 @@ class WriterProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def idle(self) -> bool:
+        """Alive and owing no reply (requests waiting in :attr:`backlog` for a writer that is
+        still starting do not count): it holds nothing of its owner but mapped arenas."""
+        return self.owed == 0 and self.alive()
+
     def ensure_started(self) -> None:
-        """Start the writer if it is not running (returns at once; the child imports torch).
+        """Attach a writer if none is running: a warm one from the pool (same ``nice``), else a
+        new process (returns at once; the child imports torch meanwhile).
 
         The writer is ``python -m ...async_ckpt._worker`` (a fresh interpreter like ``spawn``, but
         without re-running the trainer's ``__main__``), talking ``_core.ipc`` messages over a
@@ -52,6 +72,23 @@ class WriterProcess:
         if self.alive():
             return
         self.stop(grace_s=0.0)
+        from trainguard.checkpointing.async_ckpt import _pool
+
+        warm = _pool.take(self.nice)
+        if warm is not None:
+            self._adopt(warm)
+            try:
+                self.send({"op": "reset", "rank": self.rank})  # the worker logs as our rank
+            except WriterDied:  # died in the pool just now: start a fresh one instead
+                self.stop(grace_s=0.0)
+            else:
+                self.taken += 1
+                _log.debug("took warm checkpoint writer pid %d from the pool", self.proc.pid)
+                return
+        self.spawn()
+
+    def spawn(self) -> None:
+        """Start a new writer process on this (empty) handle; returns at once."""
         parent, child = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
@@ -64,13 +101,46 @@ class WriterProcess:
             raise
         finally:
             child.close()
-        self.proc, self.ready = proc, False
+        self.proc, self.ready, self.owed = proc, False, 0
         self.pidfd = os.pidfd_open(proc.pid)
         self.sock = parent
         self.conn = FrameReader(parent.fileno())
-        self.sent_arenas: set[str] = set()
+        self.sent_arenas, self.backlog = set(), []
         self.starts += 1
         _log.debug("started checkpoint writer pid %d", proc.pid)
+
+    def detach(self) -> WriterProcess | None:
+        """Move an idle process out of this handle into a new handle (for the pool); the worker
+        is told to unmap every arena it was sent. None (and nothing moved) when not idle."""
+        if not self.idle():
+            return None
+        self.backlog = []  # never sent: the owner drops these requests
+        try:
+            self._send_now({"op": "reset"}, None, None)
+        except WriterDied:
+            return None
+        out = WriterProcess(self.rank, self.nice)
+        out._adopt(self)
+        return out
+
+    def _adopt(self, other: WriterProcess) -> None:
+        """Take ``other``'s process and handles; ``other`` is left empty."""
+        self.proc, self.sock, self.conn = other.proc, other.sock, other.conn
+        self.pidfd, self.ready, self.owed = other.pidfd, other.ready, 0
+        self.sent_arenas, self.backlog, other.backlog = set(), [], []
+        other.proc, other.conn, other.pidfd, other.ready = None, None, None, False
+
+    def release(self) -> None:
+        """Owner gone (finalizer, ``close``): an idle writer goes to the pool when
+        ``park_on_release`` is set, otherwise (or when busy) it is stopped (up to ~4 s)."""
+        if self.park_on_release:
+            warm = self.detach()
+            if warm is not None:
+                from trainguard.checkpointing.async_ckpt import _pool
+
+                _pool.park(warm)
+                return
+        self.stop(grace_s=2.0)
 
     def describe(self) -> str:
         if self.proc is None:
@@ -79,10 +149,40 @@ class WriterProcess:
 
     def send(self, header: dict[str, Any], payload: bytes | None = None,
              arena: Arena | None = None) -> None:
-        """Send one request (plus the arena's fd the first time). Raises WriterDied if broken."""
+        """Send one request (plus the arena's fd the first time). Raises WriterDied if broken.
+
+        Until the writer is ready (still importing torch) requests wait here, in order, and go
+        out when its ready message is read (:meth:`recv`, or here): a writer that is still
+        starting then holds nothing of its owner, so an abort parks it (keeping its import
+        progress) instead of killing it."""
+        if not self.ready:
+            self._poll_ready()
+        if not self.ready:
+            if self.proc is None:
+                raise WriterDied("writer not running (stopped or aborted)")
+            self.backlog.append((header, payload, arena))
+            return
+        self._send_now(header, payload, arena)
+
+    def _poll_ready(self) -> None:
+        """Read the ready message if it has arrived (before it nothing else can arrive)."""
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            readable = select.select([conn.fd], [], [], 0)[0]
+        except (OSError, ValueError):
+            return
+        if readable:
+            self.recv(0.0)
+
+    def _send_now(self, header: dict[str, Any], payload: bytes | None,
+                  arena: Arena | None) -> None:
         try:
             new = arena is not None and arena.name not in self.sent_arenas
             send_msg(self.sock.fileno(), _MSG, {**header, "arena_fd": new}, payload or b"")
+            if header.get("op") in ("save", "commit"):
+                self.owed += 1
             if new and arena is not None and arena.fd is not None:
                 socket.send_fds(self.sock, [b"F"], [arena.fd])
                 self.sent_arenas.add(arena.name)
@@ -101,7 +201,11 @@ class WriterProcess:
                 reply, extra = decode_msg(conn.recv()[1])
                 if reply.get("ready"):
                     self.ready = True
+                    backlog, self.backlog = self.backlog, []
+                    for item in backlog:
+                        self._send_now(*item)
                     return {"ready": True}, None
+                self.owed = max(0, self.owed - 1)
                 return reply, (extra if reply.get("has_extra") else None)
         except (EOFError, OSError, ValueError, FrameError) as exc:
             self._reap()
@@ -112,10 +216,11 @@ class WriterProcess:
         return None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Ask the writer to exit, then SIGTERM -> SIGKILL after ``grace_s``; reaps it."""
+        """Ask the writer to exit, then SIGTERM -> SIGKILL after ``grace_s``; reaps it. A writer
+        not known to be ready (still importing torch: it holds nothing) gets SIGTERM at once."""
         if self.proc is None:
             return
-        if grace_s > 0 and self.alive():
+        if grace_s > 0 and self.alive() and self.ready:
             try:
                 send_msg(self.sock.fileno(), _MSG, {"op": "exit"})
                 self.proc.wait(grace_s)
@@ -160,7 +265,8 @@ class WriterProcess:
             self.sock.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
-        self.proc, self.conn, self.pidfd = None, None, None
+        self.proc, self.conn, self.pidfd, self.owed = None, None, None, 0
+        self.backlog = []
 
 
 class ArenaPool:
