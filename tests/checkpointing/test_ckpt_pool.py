@@ -210,3 +210,38 @@ def test_starting_writer_with_a_queued_save_is_parked_not_killed(tmp_path):
         assert ck.manager.committed_steps() == [2] and not os.path.exists(ck.manager.path_of(1))
     finally:
         ck.close()
+
+
+def _has_dcp_imported(pid: int, timeout_s: float = 60.0) -> bool:
+    """Has process ``pid`` imported DCP? Importing ``torch.distributed.checkpoint`` loads the
+    ``_lsprof`` extension (``import torch`` alone does not): a visible trace in its maps."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/maps") as f:
+            if any("_lsprof" in line for line in f):
+                return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_dcp_checkpointer_writers_import_dcp_before_the_first_save(tmp_path):
+    """A cold DCP import takes seconds (more than a soft timeout on a loaded 2-core machine):
+    seen as a newly active rank's DCP save not committing for a whole iteration, then a soft
+    timeout that killed the busy writer, whose cold replacement did the same next iteration.
+    A ``format="dcp"`` checkpointer's writer imports DCP as soon as it has imported torch, and
+    so does the pooled replacement of a DCP writer killed by an abort."""
+    ck = AsyncCheckpointer(tmp_path, format="dcp", use_dist=False,
+                           faults={1: {"phase": "write", "action": "hang"}})
+    try:
+        ck.warmup(timeout=60.0)
+        assert _has_dcp_imported(ck.writer.pid), "the DCP writer did not import DCP before a save"
+        ck.save({"w": torch.ones(8)}, 1)  # the writer hangs in this write: busy at the abort
+        before = set(_pool.idle_pids())
+        ck.abort()  # the busy writer is killed; its replacement starts in the pool
+        new = [p for p in _pool.idle_pids() if p not in before]
+        assert len(new) == 1
+        assert _has_dcp_imported(new[0]), "the pooled replacement of a DCP writer is not warm"
+    finally:
+        ck.close()
+        _pool.drain()

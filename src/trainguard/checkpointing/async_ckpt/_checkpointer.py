@@ -165,7 +165,7 @@ class AsyncCheckpointer(LoadMixin):
         root = join_run_id(root, run_id)
         self.manager = CheckpointManager(root, keep_last) if root is not None else None
         self.faults = dict(faults or {})
-        self.writer = WriterProcess(self.rank, writer_nice)
+        self.writer = WriterProcess(self.rank, writer_nice, warm_dcp=format == "dcp")
         if staging_budget_bytes is not None and (
                 isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int)
                 or staging_budget_bytes <= 0):
@@ -774,7 +774,7 @@ class AsyncCheckpointer(LoadMixin):
         if not self.writer.idle():  # dead, or requests on the wire (a starting one has none)
             self.writer.kill()
             if to_pool and had:
-                _pool.spawn(self.writer.rank, self.writer.nice)
+                _pool.spawn(self.writer.rank, self.writer.nice, warm_dcp=self.writer.warm_dcp)
         elif to_pool:
             warm = self.writer.detach()
             if warm is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 
@@ -84,16 +85,18 @@ def park(writer: WriterProcess) -> bool:
     return False
 
 
-def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0) -> bool:
+def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0, warm_dcp: bool = False) -> bool:
     """Start a new writer into the pool; False (nothing started) when the pool is full or
     disabled. With ``ready_timeout_s`` > 0 it is pooled only once ready (blocks up to that long;
-    one that is not ready by then is pooled anyway), else at once (it imports torch meanwhile)."""
+    one that is not ready by then is pooled anyway), else at once (it imports torch meanwhile).
+    ``warm_dcp``: it also imports DCP's write modules right after torch (a replacement for a
+    DCP checkpointer's writer, or a reserve in a process that uses DCP)."""
     if not enabled():
         return False
     with _lock:
         if len(_idle) >= MAX_IDLE:
             return False
-    writer = WriterProcess(rank, nice)
+    writer = WriterProcess(rank, nice, warm_dcp)
     writer.spawn()
     deadline = time.monotonic() + ready_timeout_s
     try:
@@ -108,17 +111,19 @@ def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0) -> bool:
     return park(writer)
 
 
-def fill(n: int, rank: int = -1, nice: int = 0, ready_timeout_s: float = 120.0) -> int:
+def fill(n: int, rank: int = -1, nice: int = 0, ready_timeout_s: float = 120.0,
+         warm_dcp: bool = False) -> int:
     """Spawn writers (``nice``) into the pool until it holds ``n`` (capped at MAX_IDLE), one at
     a time: each is pooled once ready (up to ``ready_timeout_s``), so the imports do not compete
-    with each other for CPU. Blocks for their start-ups; returns how many were started."""
+    with each other for CPU. Blocks for their start-ups; returns how many were started.
+    ``warm_dcp``: see :func:`spawn`."""
     started = 0
     while enabled():
         with _lock:
             have = sum(1 for w in _idle if w.nice == nice)
             if have >= min(n, MAX_IDLE) or len(_idle) >= MAX_IDLE:
                 break
-        if not spawn(rank, nice, ready_timeout_s):
+        if not spawn(rank, nice, ready_timeout_s, warm_dcp):
             break
         started += 1
     return started
@@ -160,8 +165,11 @@ def prewarm_writers(n: int) -> int:
     the Wrapper runs the ``_core.hooks`` standby callbacks; from the second such wait on (not
     at job start, where the active ranks start their own writers), checkpointing's fills this
     process's writer pool up to ``n`` writers (``writer_nice=0``, one at a time) and imports the
-    trainer-side DCP planner modules, in a background thread. The checkpointers made when the
-    rank becomes active take these writers warm. Active ranks are not affected.
+    trainer-side DCP planner modules, in a background thread; when the trainer has imported
+    ``torch.distributed.checkpoint`` by then, the pooled writers import DCP's write modules too
+    (a cold DCP import takes seconds). The checkpointers made when the rank becomes active take
+    these writers warm. Active ranks are not affected. A ``format="dcp"`` checkpointer asks every
+    writer it gets (new or pooled) to import DCP at once, whatever this setting.
 
     Memory cost: each pooled writer is one idle interpreter with torch imported: measured with
     torch 2.13 (CPU build, x86-64, Python 3.11) at 275 MiB RSS, of which 146 MiB is its own
@@ -185,7 +193,9 @@ def prewarm_writers(n: int) -> int:
 def _prewarm() -> None:
     """Reserve rank (background thread): fill the pool, import the DCP planner's modules."""
     try:
-        fill(int(_state["prewarm"]), int(os.environ.get("RANK", "-1")))
+        # a trainer that imported DCP writes DCP: its pooled writers import it too
+        fill(int(_state["prewarm"]), int(os.environ.get("RANK", "-1")),
+             warm_dcp="torch.distributed.checkpoint" in sys.modules)
         from trainguard.checkpointing.async_ckpt._dcp_plan import import_dcp
 
         import_dcp()

@@ -160,6 +160,34 @@ def _write_dcp(storage, rel_dir: str, obj: Any, rank: int, total: int) -> tuple[
             pickle.dumps((obj["dcp_plan"], results)))
 
 
+_DCP_WRITE_MODULES = ("torch.distributed.checkpoint.filesystem",
+                      "torch.distributed.checkpoint.planner",
+                      "torch.distributed.checkpoint.storage",
+                      "torch.distributed.checkpoint.default_planner")
+
+
+def _warm_dcp_in_background() -> None:
+    """Import what a DCP write and commit use, in a daemon thread (``op: warm``): a cold DCP
+    import (it pulls in sympy) takes seconds, on a loaded machine more than a soft timeout, and
+    would otherwise be paid inside the first save of a checkpointer made after a restart. A
+    save that arrives meanwhile waits on the import lock only for what is still missing."""
+    import importlib
+    import sys
+    import threading
+
+    if all(m in sys.modules for m in _DCP_WRITE_MODULES):
+        return
+
+    def run() -> None:
+        for name in _DCP_WRITE_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the save imports again and reports it there
+                return
+
+    threading.Thread(target=run, name="trainguard-writer-dcp-import", daemon=True).start()
+
+
 class _Worker:
     def __init__(self, fd: int, parent_pid: int) -> None:
         import socket
@@ -239,6 +267,10 @@ class _Worker:
             return False
         if req["op"] == "release":
             self.release(req["arena"])
+            return True
+        if req["op"] == "warm":  # its owner writes DCP: import those modules before a save
+            if req.get("dcp"):
+                _warm_dcp_in_background()
             return True
         if req["op"] == "reset":  # back to the pool, or taken from it: hold nothing of anyone
             for name in list(self.maps):
@@ -326,3 +358,9 @@ if __name__ == "__main__":
 
     worker_main(int(sys.argv[1]), int(sys.argv[2]),
                 int(sys.argv[3]), int(sys.argv[4]))
+    # Every file is fsynced and replied before this point: skip the interpreter's teardown
+    # (torch's atexit work and module cleanup took seconds on a loaded machine, and the trainer's
+    # ``close()`` waits for this exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

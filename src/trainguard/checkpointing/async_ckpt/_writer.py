@@ -36,8 +36,9 @@ class WriterProcess:
     ``taken`` - warm processes it took from the pool.
     """
 
-    def __init__(self, rank: int, nice: int = 0) -> None:
+    def __init__(self, rank: int, nice: int = 0, warm_dcp: bool = False) -> None:
         self.rank, self.nice = rank, nice
+        self.warm_dcp = warm_dcp  # its owner writes DCP: every process it gets imports DCP early
         self.proc: Any = None
         self.conn: Any = None
         self.pidfd: int | None = None
@@ -79,6 +80,7 @@ class WriterProcess:
             self._adopt(warm)
             try:
                 self.send({"op": "reset", "rank": self.rank})  # the worker logs as our rank
+                self._send_warm()
             except WriterDied:  # died in the pool just now: start a fresh one instead
                 self.stop(grace_s=0.0)
             else:
@@ -108,6 +110,13 @@ class WriterProcess:
         self.sent_arenas, self.backlog = set(), []
         self.starts += 1
         _log.debug("started checkpoint writer pid %d", proc.pid)
+        self._send_warm()
+
+    def _send_warm(self) -> None:
+        """Ask the process to import DCP now (``warm_dcp``); sent at once, not kept back like
+        requests: the worker reads it right after its torch import, and owes no reply."""
+        if self.warm_dcp:
+            self._send_now({"op": "warm", "dcp": True}, None, None)
 
     def detach(self) -> WriterProcess | None:
         """Move an idle process out of this handle into a new handle (for the pool); the worker
@@ -119,7 +128,7 @@ class WriterProcess:
             self._send_now({"op": "reset"}, None, None)
         except WriterDied:
             return None
-        out = WriterProcess(self.rank, self.nice)
+        out = WriterProcess(self.rank, self.nice, self.warm_dcp)
         out._adopt(self)
         return out
 
