@@ -49,6 +49,10 @@ def test_pet_environment_sits_between_cli_and_defaults(tmp_path, monkeypatch):
     (["--nproc-per-node", "0", "s.py"], "must be >= 1"),
     (["--max-restarts", "x", "s.py"], "not a valid int"),
     ([], "no training script"),
+    (["--master-port", "99999", "s.py"], "a TCP port is 0-65535"),
+    (["--master-port", "-5", "s.py"], "a TCP port is 0-65535"),
+    (["--log-dir", "/proc/nope", "s.py"], "--log-dir '/proc/nope': cannot create or write it"),
+    (["--log-dir", "s.py/logs", "s.py"], "cannot create or write it"),  # under a file
 ])
 def test_bad_input_is_one_clear_error(tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)

@@ -72,3 +72,12 @@ def test_readme_together_snippet_survives_an_exception_and_a_sigkill(tmp_path: P
     assert after_kill and all(s["world"] == 1 for s in after_kill), after_kill[:3]
     assert all(s["world"] == 2 for s in steps0[:killed_at + 1])
     assert CheckpointManager(str(ckpt_dir), 2).committed_steps()[-1] == 60
+    # The same command again on the finished directory (a user re-running the job): both ranks
+    # resume at step 60 (DCP reshards it to 2 ranks), train nothing and return 60 at once. It
+    # raised UnboundLocalError in every iteration before, restarting forever.
+    again = run_ranks("_readme_rank:main", 2, timeout_s=120, plan=FaultPlan([]),
+                      pythonpath=[str(HERE), str(tmp_path)],
+                      env={"CKPT_DIR": str(ckpt_dir), "TRAINGUARD_LOG_LEVEL": "WARNING"})
+    assert [(r.returncode, r.result) for r in again] == [(0, 60), (0, 60)], \
+        [r.stderr[-1500:] for r in again]
+    assert _steps(tmp_path / "steps0.jsonl") == steps0  # no step trained

@@ -443,6 +443,11 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
     if v["module"] and not v["no_python"]:
         _check_module(script)
     master_port = v["master_port"]
+    if master_port is not None and not 0 <= int(master_port) <= 65535:
+        raise LaunchConfigError(f"--master-port {master_port}: a TCP port is 0-65535 (0 picks a "
+                                "free one)")
+    if not v["dry_run"]:
+        _check_log_dir(v["log_dir"])
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")
     ident: NodeIdentity = v["identity"]
@@ -544,6 +549,23 @@ def _rdzv_conf(raw: str) -> dict[str, float]:
             except ValueError:
                 raise LaunchConfigError(f"--rdzv-conf {key}: {value!r} is not seconds") from None
     return out
+
+
+def _check_log_dir(log_dir: str | None) -> None:
+    """``--log-dir`` must be a directory this process can create and write (checked up front:
+    the launcher makes ``<log-dir>/<run-id>/`` only after the rendezvous)."""
+    if log_dir is None:
+        return
+    path = os.path.abspath(log_dir)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".trainguard_probe_{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise LaunchConfigError(f"--log-dir {log_dir!r}: cannot create or write it "
+                                f"({exc.strerror or exc}); choose a writable directory") from None
 
 
 def _endpoint(host: str, port: str, master_port: int | None) -> int | None:

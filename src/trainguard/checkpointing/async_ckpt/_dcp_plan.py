@@ -136,14 +136,18 @@ class DcpPlanner:
             return local
         from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
-        key = _plan_key(local)
+        # The kept items depend on every rank's plan AND on who the ranks are: after an in-process
+        # restart that shrank the world (2 -> 1) an unchanged local plan must not keep the old
+        # world's deduplication (rank 0 then wrote only its half, and a committed checkpoint
+        # missed the items the lost rank used to write).
+        world, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+        key = [("", (world, me), -1, -1), *_plan_key(local)]
         changed = torch.tensor([0 if key == self._key else 1], dtype=torch.int32)
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=group)
         if changed.item():
-            world = dist.get_world_size(group)
             plans: list[Any] = [None] * world
             dist.all_gather_object(plans, local, group=group)
-            mine = dedup_save_plans(plans)[dist.get_group_rank(group, dist.get_rank())]
+            mine = dedup_save_plans(plans)[me]
             self._key, self._kept = key, {_item_key(i) for i in mine.items}
             self.gathers += 1
         return dataclasses.replace(local, items=[i for i in local.items
