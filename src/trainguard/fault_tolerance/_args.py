@@ -54,7 +54,10 @@ _TORCHRUN: list[tuple[tuple[str, ...], str, Any, str, str]] = [
     (("-m", "--module"), "module", False, "flag", "run the script as a module (python -m)"),
     (("--no-python", "--no_python"), "no_python", False, "flag", "exec the script directly"),
     (("--run-path", "--run_path"), "run_path", False, "flag", "run with runpy.run_path"),
-    (("--log-dir", "--log_dir"), "log_dir", None, "str", "directory for per-cycle rank logs"),
+    (("--log-dir", "--log_dir"), "log_dir", None, "str",
+     ("directory for per-cycle rank logs, written to LOG_DIR/RUN_ID/cycle_N.log (default: a "
+      "new /tmp/trainguard_RUN_ID_* directory, kept after the run and named in the final "
+      "table)")),
     (("-r", "--redirects"), "redirects", "0", "str",
      "redirect worker streams to log files only: 0 none, 1 out, 2 err, 3 both; or 0:1,1:2"),
     (("-t", "--tee"), "tee", "0", "str", "copy worker streams to log files and console"),
