@@ -8,7 +8,6 @@ import os
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from trainguard.checkpointing import AsyncCheckpointer, prewarm_writers
 from trainguard.checkpointing.async_ckpt import _pool
 from trainguard.errors import ConfigError
 from trainguard.inprocess import ActiveWorldSizeDivisibleBy, CallWrapper, Wrapper
+from trainguard.testing import wait_gone
 
 FAST = {
     "soft_timeout": 3.0, "hard_timeout": 6.0, "barrier_timeout": 10.0,
@@ -32,16 +32,6 @@ def single_rank_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def _gone(pid: int, timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _memfd_maps(pid: int) -> list[str]:
@@ -79,7 +69,7 @@ def test_aborted_idle_writer_is_reset_and_taken_by_a_new_checkpointer(tmp_path):
     finally:
         new.close()
         old.close()
-    assert _gone(pid) and _pool.idle_pids() == []  # close() stops; nothing is pooled
+    assert wait_gone(pid) and _pool.idle_pids() == []  # close() stops; nothing is pooled
 
 
 @pytest.mark.timeout(90)
@@ -100,9 +90,9 @@ def test_exit_with_error_and_abandoned_checkpointers_park_writers_bounded(tmp_pa
     kept = _pool.idle_pids()
     assert len(kept) == _pool.MAX_IDLE and set(kept) <= set(pids)
     stopped = [p for p in pids if p not in kept]
-    assert len(stopped) == 1 and _gone(stopped[0])
+    assert len(stopped) == 1 and wait_gone(stopped[0])
     assert _pool.drain() == _pool.MAX_IDLE and _pool.idle_pids() == []
-    assert all(_gone(p) for p in kept)
+    assert all(wait_gone(p) for p in kept)
 
 
 @pytest.mark.timeout(60)
@@ -118,10 +108,10 @@ def test_pool_is_keyed_by_nice_and_can_be_disabled(monkeypatch):
         assert ck.writer.pid != pid and (ck.writer.starts, ck.writer.taken) == (2, 0)
         cold = ck.writer.pid
         ck.abort()  # idle, but no pool: stopped
-        assert ck.writer.pid is None and _pool.idle_pids() == [pid] and _gone(cold)
+        assert ck.writer.pid is None and _pool.idle_pids() == [pid] and wait_gone(cold)
     finally:
         ck.close()
-    assert _pool.drain() == 1 and _gone(pid)  # the pooled one outlives its old owner's close
+    assert _pool.drain() == 1 and wait_gone(pid)  # the pooled one outlives its old owner's close
 
 
 def test_prewarm_writers_validates_its_argument():
@@ -156,7 +146,7 @@ def test_checkpointer_made_inside_wrapped_function_reuses_the_previous_writer(
     print("writer (pid, starts, taken) per iteration:", seen)
     assert [s[0] for s in seen] == [seen[0][0]] * 3
     assert [s[1:] for s in seen] == [(1, 0), (0, 1), (0, 1)]
-    assert _gone(seen[0][0]) and _pool.idle_pids() == []  # the last one was closed
+    assert wait_gone(seen[0][0]) and _pool.idle_pids() == []  # the last one was closed
 
 
 @pytest.mark.timeout(90)

@@ -44,14 +44,13 @@ import threading
 import time
 import weakref
 
-import psutil
 import pytest
 import torch
 
 from trainguard._core.hooks import register_reset_callback, unregister_reset_callback
 from trainguard.inprocess import CallWrapper, RestartAbort, Wrapper
 from trainguard.inprocess.initialize import RetryController
-from trainguard.testing import free_port
+from trainguard.testing import free_port, wait_gone
 from trainguard.testing.faults import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,16 +73,6 @@ def single_rank_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _read(path: str) -> str:
@@ -178,7 +167,7 @@ def test_nvrx_pr154_restart_kills_checkpoint_writer_next_save_respawns(single_ra
         assert train() == [3]
         print("writer pids (attempt 0, after restart, after next save):", pids)
         assert pids[1] is None and pids[2] not in (None, pids[0])
-        assert _wait_gone(pids[0], 5.0), "writer of the failed attempt still alive"
+        assert wait_gone(pids[0], 5.0), "writer of the failed attempt still alive"
         assert ck.writer.starts == 1 and ck.writer.taken == 1 and ck.num_unfinalized == 0
         obj, step = ck.load()
         assert step == 3 and obj["w"][0].item() == 1.0
@@ -349,7 +338,7 @@ def test_nvrx_defect5_trainer_killed_before_first_iteration_daemon_exits_cleanly
         child.kill()
         child.wait(10)
         t0 = time.monotonic()
-        gone = _wait_gone(mon_pid, 15.0)
+        gone = wait_gone(mon_pid, 15.0)
         print(f"monitor exited {time.monotonic() - t0:.2f} s after the trainer was killed")
         log = _read(logfile)
         print(log[-2000:])
@@ -437,7 +426,7 @@ def test_nvrx_defect3_and_pr99_barrier_timeout_runs_terminate_daemon_outlives(tm
         # rank 1 finished after rank 0 had left: only the daemon kept the store alive
         assert res[1].result["t"] - t0 > res[0].wall_s
         for r, pid in mon.items():
-            assert _wait_gone(pid, 10.0), f"monitor of rank {r} (pid {pid}) left running"
+            assert wait_gone(pid, 10.0), f"monitor of rank {r} (pid {pid}) left running"
     finally:
         for pid in mon.values():
             _kill_if_alive(pid)

@@ -33,62 +33,78 @@ __all__ = [
 ]
 
 _log = get_logger("trainguard.core.hooks")
-_lock = threading.Lock()
-_callbacks: dict[str, Callable[[], None]] = {}
-_deferred: dict[str, Callable[[], None]] = {}
-_standby: dict[str, Callable[[], None]] = {}
-_release: dict[str, Callable[[], None]] = {}
+
+
+class _Registry:
+    """Named callbacks of one kind: registered (or replaced) by name, run outside the lock."""
+
+    _lock = threading.Lock()  # one lock for every registry (registration is rare)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.fns: dict[str, Callable[[], None]] = {}
+
+    def register(self, name: str, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self.fns[name] = fn
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self.fns.pop(name, None)
+
+    def run(self, once: bool = False) -> list[str]:
+        """Call every function (``once``: and forget them); returns the names that raised."""
+        with self._lock:
+            items = list(self.fns.items())
+            if once:
+                self.fns.clear()
+        return _run_each(items, self.what)
+
+
+_reset = _Registry("reset callback")
+_deferred = _Registry("deferred reset")
+_standby = _Registry("standby callback")
+_release = _Registry("release callback")
 
 
 def register_reset_callback(name: str, fn: Callable[[], None]) -> None:
     """Register (or replace) callback ``name``; it must be quick and must not raise."""
-    with _lock:
-        _callbacks[name] = fn
+    _reset.register(name, fn)
 
 
 def unregister_reset_callback(name: str) -> None:
-    with _lock:
-        _callbacks.pop(name, None)
+    _reset.unregister(name)
 
 
 def run_reset_callbacks() -> list[str]:
     """Run every callback (any thread); returns the names whose callback raised (logged)."""
-    with _lock:
-        items = list(_callbacks.items())
-    return _run_each(items, "reset callback")
+    return _reset.run()
 
 
 def register_standby_callback(name: str, fn: Callable[[], None]) -> None:
     """Register (or replace) standby callback ``name``: called in the main thread of a reserve
     rank while it waits; it must return at once (start a thread for slow work) and not raise."""
-    with _lock:
-        _standby[name] = fn
+    _standby.register(name, fn)
 
 
 def unregister_standby_callback(name: str) -> None:
-    with _lock:
-        _standby.pop(name, None)
+    _standby.unregister(name)
 
 
 def run_standby_callbacks() -> list[str]:
     """Run every standby callback; returns the names whose callback raised (logged)."""
-    with _lock:
-        items = list(_standby.items())
-    return _run_each(items, "standby callback")
+    return _standby.run()
 
 
 def register_release_callback(name: str, fn: Callable[[], None]) -> None:
     """Register (or replace) release callback ``name``: stops idle resources kept for reuse
     (bounded: seconds at most); must not raise."""
-    with _lock:
-        _release[name] = fn
+    _release.register(name, fn)
 
 
 def run_release_callbacks() -> list[str]:
     """Run every release callback (any thread); returns the names whose callback raised."""
-    with _lock:
-        items = list(_release.items())
-    return _run_each(items, "release callback")
+    return _release.run()
 
 
 def defer_to_restart(name: str, fn: Callable[[], None]) -> None:
@@ -100,17 +116,13 @@ def defer_to_restart(name: str, fn: Callable[[], None]) -> None:
     state the main thread uses (queues, process groups, handles) to this queue, which the
     restart loop drains in the main thread once the aborted iteration has unwound.
     """
-    with _lock:
-        _deferred[name] = fn
+    _deferred.register(name, fn)
 
 
 def run_deferred_resets() -> list[str]:
     """Run (once) what reset callbacks deferred; main thread, between iterations. Returns the
     names whose function raised (logged)."""
-    with _lock:
-        items = list(_deferred.items())
-        _deferred.clear()
-    return _run_each(items, "deferred reset")
+    return _deferred.run(once=True)
 
 
 def _run_each(items: list[tuple[str, Callable[[], None]]], what: str) -> list[str]:

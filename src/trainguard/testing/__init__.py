@@ -10,6 +10,7 @@ from trainguard.testing._leaks import (
     harness_netns,
     live_children,
     trainguard_shm_segments,
+    wait_gone,
 )
 from trainguard.testing.faults import (
     Fault,
@@ -48,4 +49,5 @@ __all__ = [
     "run_ranks",
     "sweep_leftovers",
     "trainguard_shm_segments",
+    "wait_gone",
 ]

@@ -13,6 +13,7 @@ import time
 import psutil
 
 from trainguard._core.hooks import run_release_callbacks
+from trainguard._core.procs import pid_alive
 from trainguard.testing.netns import NETNS_PATTERN, _delete_namespaces, list_netns, lock_owner
 
 __all__ = ["LeakChecker", "harness_netns", "live_children", "trainguard_shm_segments"]
@@ -126,3 +127,14 @@ class LeakChecker:
         if leaked_ns:
             _delete_namespaces(leaked_ns)
         return problems
+
+
+def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
+    """True once process ``pid`` has exited (gone, or a zombie not yet reaped by its parent);
+    False if it is still running after ``timeout_s`` seconds (polls every 50 ms)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return not pid_alive(pid)
