@@ -77,6 +77,28 @@ def test_watch_never_reports_a_rank_back_at_1x():
             s.close()
 
 
+def test_stop_reads_records_published_after_the_last_poll(caplog):
+    """A cycle shorter than the idle poll (a rank killed within a second): the records its ranks
+    published before the end are still scored and logged once, by ``stop``."""
+    slots = [Slot(unique_prefix("t") + str(i), create=True) for i in range(2)]
+    transports = [SlotTransport(MemoryTransport(), s.name) for s in slots]
+    try:
+        watch = StragglerWatch(slots, lambda lr: lr, cycle=0, stale_s=60.0).start()
+        for rank, t in enumerate(transports):  # before the watch's first (idle, 0.5 s) poll
+            t.publish(_summary(rank, 0, 10.0))
+        with caplog.at_level("INFO", logger="trainguard.fault_tolerance"):
+            watch.stop()
+        assert watch.scored == 1 and watch.last_scored == 0
+        lines = [r.getMessage() for r in caplog.records
+                 if "straggler watch scored" in r.getMessage()]
+        assert lines == ["cycle 0: straggler watch scored 1 window(s) from the slots"], lines
+    finally:
+        for t in transports:
+            t.close()
+        for s in slots:
+            s.close()
+
+
 def test_launcher_flags_an_injected_slow_rank_in_its_log_and_summary(launch, tmp_path):
     script = tmp_path / "strag.py"
     script.write_text(RANK_SCRIPT)

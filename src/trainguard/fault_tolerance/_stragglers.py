@@ -68,6 +68,13 @@ class StragglerWatch:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            # one last read: a short cycle (a rank killed within a second) can end between two
+            # idle polls, and the records its ranks published are still in the slots
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - a bad record must never stop the launcher
+                _log.exception("straggler watch: cannot read or score a window")
         if self.scored or self.windows:
             _log.info("cycle %d: straggler watch scored %d window(s) from the slots%s",
                       self.cycle, self.scored,
