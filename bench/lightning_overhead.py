@@ -8,23 +8,28 @@ Measured in one run, each with its baseline:
   per training step, over a 10 ms step; ``callback_wall_overhead_pct`` is the same with the wall
   clock, which on a shared machine also counts the time the thread was not scheduled. Real
   ``lightning.Trainer``, DDP with 2 gloo ranks under ``trainguard launch``, median over ranks.
-  The timing wrapper's own cost (``time.thread_time`` is a system call, ~3 us here) is measured
-  around an empty hook in the same processes and subtracted (``timer_cpu_us_per_step``; the
-  uncorrected figure is ``raw_callback_cpu_us_per_step``).
+  What an empty hook costs, timing wrapper included (``time.thread_time`` is a system call, ~3
+  us here), is measured in the same fits (an extra callback implementing every per-step hook as
+  ``return None``, timed the same way) and subtracted per call (``timer_cpu_us_per_step``):
+  Lightning calls every callback's hooks, implemented or not, so only the bodies are ours. The
+  uncorrected figure is ``raw_callback_cpu_us_per_step``; ``hot_loop_timer_cpu_us_per_step`` is
+  the wrapper around an empty hook called in a tight loop (warm caches: a lower bound).
   Baseline in the same processes: an A/B of the step wall time with and without the callbacks,
   ``--reps`` interleaved repetitions (each runs every ``--variants`` fit once, in an order
   rotated per repetition), each variant's step time against the callback-free fit of the same
   repetition: ``ab_overhead_pct`` (default callbacks; ``_min`` / ``_max`` over repetitions),
-  ``ab_<variant>_overhead_pct`` for the others (``no_ddp_hook``: the straggler callback's DDP
-  communication hook off; ``blocking_ddp_hook``: the blocking hook used before issue 11's fix;
-  one callback alone: ``ft``, ``straggler``, ...), ``ddp_hook_pct`` / ``blocking_ddp_hook_pct``
-  (a hook against ``no_ddp_hook``), and the same A/B of the rank processes' CPU time per step
-  (every thread: ``ab_cpu_us_per_step``, ``ab_<variant>_cpu_us_per_step``), less sensitive to a
-  shared machine's load than wall time;
-* ``ddp_<small|deep>_<overlapped|blocking>_hook_us_per_step``: the DDP hooks alone, forward +
-  backward time against DDP's own all-reduce, interleaved step by step in the same processes
-  (``Linear(64, 64)``, one bucket, as in the fits; and 8 x ``Linear(256, 256)`` in 8 buckets,
-  where a blocking hook loses the overlap);
+  ``ab_<variant>_overhead_pct`` for the others (``no_ddp_hook``: the straggler callback's
+  timing of DDP's all-reduce off; ``overlapped_ddp_hook`` / ``blocking_ddp_hook``: the same,
+  plus the Python communication hook an earlier default used (issue 11 replaced the overlapped
+  one by an autograd final callback and no hook; the blocking one came before it); one callback
+  alone: ``ft``, ``straggler``, ...), ``ddp_hook_pct`` / ``overlapped_ddp_hook_pct`` /
+  ``blocking_ddp_hook_pct`` (a timing against ``no_ddp_hook``), and the same A/B of the rank
+  processes' CPU time per step (every thread: ``ab_cpu_us_per_step``,
+  ``ab_<variant>_cpu_us_per_step``), less sensitive to a shared machine's load than wall time;
+* ``ddp_<small|deep>_<timer|overlapped|blocking>_hook_us_per_step``: each timing of DDP's
+  all-reduce alone, forward + backward time against DDP's own untimed all-reduce, interleaved
+  step by step in the same processes (``Linear(64, 64)``, one bucket, as in the fits; and 8 x
+  ``Linear(256, 256)`` in 8 buckets, where a blocking hook loses the overlap);
 * ``ckpt_block_ms`` / ``lightning_async_block_ms`` / ``lightning_sync_block_ms``: how long
   ``trainer.save_checkpoint`` blocks the training loop with ``TrainguardCheckpointIO``, with
   Lightning's ``AsyncCheckpointIO`` and with its default synchronous ``TorchCheckpointIO``; same
@@ -104,24 +109,58 @@ def _timer_cost() -> tuple[float, float]:
     return best
 
 
+class _OldOverlap:
+    """The gloo hook issue 11 replaced (kept here as the baseline): DDP's asynchronous
+    all-reduce re-issued from a Python communication hook, each bucket's completion stamped by a
+    Python ``Future.then`` callback on the process group's thread."""
+
+    def __init__(self, group: Any) -> None:
+        self.group, self.world_size = group, group.size()
+        self.issued_ns = self.done_ns = 0
+
+
+def _old_overlapped_allreduce(state: Any, bucket: Any) -> Any:
+    buf = bucket.buffer()
+    buf.div_(state.world_size)
+    state.issued_ns = time.perf_counter_ns()
+    fut = state.group.allreduce([buf]).get_future()
+
+    def stamp(done: Any) -> Any:
+        state.done_ns = max(state.done_ns, time.perf_counter_ns())
+        return done.value()[0]
+
+    return fut.then(stamp)
+
+
+def _register_old_overlapped(model: Any) -> None:
+    import torch
+
+    # DDP checks a hook's annotations at run time
+    _old_overlapped_allreduce.__annotations__ = {
+        "state": object, "bucket": torch.distributed.GradBucket,
+        "return": torch.futures.Future[torch.Tensor]}
+    model.register_comm_hook(_OldOverlap(model.process_group), _old_overlapped_allreduce)
+
+
+#: the micro-bench's ways of timing DDP's all-reduce (``none``: untimed, DDP's own)
+MICRO = ("none", "timer", "overlapped", "blocking")
+
+
 def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
-    """Forward + backward wall time (s) of DDP models with each gradient hook, interleaved step
-    by step in the same processes (so load drifts cancel): ``none`` (DDP's own C++ all-reduce),
-    ``overlapped`` (the default hook on gloo), ``blocking`` (the hook used before). Two model
-    shapes: the overhead bench's ``Linear(64, 64)`` (one bucket) and 8 x ``Linear(256, 256)``
-    in 0.25 MB buckets (8 buckets: what the blocking hook loses is the overlap). Runs after
-    the fits, on the process group Lightning left initialised; a straggler detector is running
-    (as under the callback), so the blocking hook's ``dist.all_reduce`` goes through its
-    timing wrapper."""
+    """Forward + backward wall time (s) of DDP models with each way of timing the gradient
+    all-reduce, interleaved step by step in the same processes (so load drifts cancel): ``none``
+    (DDP's own C++ all-reduce, untimed), ``timer`` (the default on gloo:
+    :class:`BackwardWaitTimer`, no communication hook), ``overlapped`` (the Python hook it
+    replaced) and ``blocking`` (the hook before that). Two model shapes: the overhead bench's
+    ``Linear(64, 64)`` (one bucket) and 8 x ``Linear(256, 256)`` in 0.25 MB buckets (8 buckets:
+    what the blocking hook loses is the overlap). Runs after the fits, on the process group
+    Lightning left initialised; a straggler detector is running (as under the callback), so the
+    blocking hook's ``dist.all_reduce`` goes through its timing wrapper."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from trainguard.integrations.lightning._ddp_hook import (
-        OverlapTimer,
-        overlapped_allreduce,
-        timed_allreduce,
-    )
+    from trainguard.integrations.lightning._ddp_hook import BackwardWaitTimer, timed_allreduce
     from trainguard.straggler import Detector
 
     # layers, width, batch, steps: the deep model's steps are ~10x longer on a loaded machine
@@ -131,16 +170,17 @@ def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
     try:
         for shape, (layers, width, batch, n) in shapes.items():
             models = {}
-            for name in ("none", "overlapped", "blocking"):
+            for name in MICRO:
                 torch.manual_seed(0)
                 net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
                 model = DDP(net, bucket_cap_mb=0.25)
                 if name == "overlapped":
-                    timer = OverlapTimer(model.process_group)
-                    model.register_comm_hook(timer, overlapped_allreduce)
+                    _register_old_overlapped(model)
                 elif name == "blocking":
                     model.register_comm_hook(model.process_group, timed_allreduce)
                 models[name] = model
+            timer = BackwardWaitTimer()
+            timer.attach(models["timer"])
             x = torch.randn(batch, width)
             times: dict[str, list[float]] = {n: [] for n in models}
             for i in range(n + 5):
@@ -148,8 +188,11 @@ def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
                     name = list(models)[(i + j) % len(models)]
                     t0 = time.perf_counter()
                     models[name](x).pow(2).mean().backward()
+                    if name == "timer":
+                        Detector.add_collective_wait(timer.take_exposed_s())
                     if i >= 5:
                         times[name].append(time.perf_counter() - t0)
+            timer.detach()
             out[shape] = times
             dist.barrier()
     finally:
@@ -193,7 +236,7 @@ def _child_overhead(out: str, steps: int, reps: int, variants: list[str],
             self.cpu.append(time.process_time())
 
     class BlockingHook(L.Callback):
-        """The DDP hook before issue 11's fix: a blocking ``dist.all_reduce`` per bucket."""
+        """The first DDP hook: a blocking ``dist.all_reduce`` per bucket."""
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             from trainguard.integrations.lightning._ddp_hook import timed_allreduce
@@ -201,24 +244,58 @@ def _child_overhead(out: str, steps: int, reps: int, variants: list[str],
             model = trainer.strategy.model
             model.register_comm_hook(model.process_group, timed_allreduce)
 
-    def fit(variant: str) -> tuple[dict[str, float], float, float]:
+    class OverlappedHook(L.Callback):
+        """The second DDP hook, replaced by the timer in issue 11 (see ``_OldOverlap``)."""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            _register_old_overlapped(trainer.strategy.model)
+
+    class Noop(L.Callback):
+        """Every per-step hook, empty, timed like ours: what a hook call costs in a fit
+        (Lightning calls every callback's hook, implemented or not) plus the timing wrapper."""
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            return None
+
+        def on_before_backward(self, *args: Any) -> None:
+            return None
+
+        def on_after_backward(self, *args: Any) -> None:
+            return None
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            return None
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            return None
+
+    def fit(variant: str) -> tuple[dict[str, float], float, float, dict[str, float]]:
         totals = {"s": 0.0, "cpu_s": 0.0}
         ours = _callbacks(tgl, variant)
         _timed(ours, totals)
+        noop_totals = {"s": 0.0, "cpu_s": 0.0, "calls": 0.0}
+        noop = Noop()
+        _timed([noop], noop_totals)
         clock = Clock()
-        extra = [BlockingHook()] if variant == "blocking_ddp_hook" else []
+        extra: list[Any] = []
+        if variant == "blocking_ddp_hook":
+            extra.append(BlockingHook())
+        elif variant == "overlapped_ddp_hook":
+            extra.append(OverlappedHook())
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps,
-                            callbacks=[*ours, *extra, clock], logger=False,
+                            callbacks=[*ours, noop, *extra, clock], logger=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=False)
         trainer.fit(Step())
         gaps = [b - a for a, b in zip(clock.t[5:], clock.t[6:])]
         cpu = (clock.cpu[-1] - clock.cpu[5]) / (len(clock.cpu) - 6)
-        return {k: v / steps for k, v in totals.items()}, statistics.median(gaps), cpu
+        return ({k: v / steps for k, v in totals.items()}, statistics.median(gaps), cpu,
+                noop_totals)
 
     # interleaved: every repetition runs each variant once, in an order rotated per repetition,
     # so the machine's drift falls on all variants alike
-    runs: dict[str, list[tuple[dict[str, float], float, float]]] = {v: [] for v in variants}
+    runs: dict[str, list[tuple[dict[str, float], float, float, dict[str, float]]]] = {
+        v: [] for v in variants}
     for rep in range(reps):
         for i in range(len(variants)):
             variant = variants[(i + rep) % len(variants)]
@@ -227,7 +304,11 @@ def _child_overhead(out: str, steps: int, reps: int, variants: list[str],
     hooks = _ddp_hook_micro(hook_steps)
     ours = runs[DEFAULT]
     result = {"rank": int(os.environ["RANK"]),
-              "timer_cpu_s_per_call": timer_cpu, "timer_s_per_call": timer_wall,
+              "hot_timer_cpu_s_per_call": timer_cpu, "hot_timer_s_per_call": timer_wall,
+              # the empty callback's hooks in the default fits (same Trainer, same step)
+              "noop_cpu_s_per_call": statistics.median(r[3]["cpu_s"] / r[3]["calls"]
+                                                        for r in ours),
+              "noop_s_per_call": statistics.median(r[3]["s"] / r[3]["calls"] for r in ours),
               "calls_per_step": statistics.median(r[0]["calls"] for r in ours),
               "hook_s_per_step": statistics.median(r[0]["s"] for r in ours),
               "hook_cpu_s_per_step": statistics.median(r[0]["cpu_s"] for r in ours),
@@ -240,16 +321,17 @@ def _child_overhead(out: str, steps: int, reps: int, variants: list[str],
 
 
 #: the variants an overhead run can compare; each fit gets fresh callback instances
-VARIANTS = ("none", "default", "no_ddp_hook", "blocking_ddp_hook", "ft", "straggler",
-            "straggler_no_ddp_hook", "preempt")
+VARIANTS = ("none", "default", "no_ddp_hook", "overlapped_ddp_hook", "blocking_ddp_hook", "ft",
+            "straggler", "straggler_no_ddp_hook", "preempt")
 DEFAULT = "default"
 
 
 def _callbacks(tgl: Any, variant: str) -> list[Any]:
     """The trainguard callbacks of one variant: ``none``; ``default`` (all three, defaults:
-    the straggler callback's DDP communication hook is on with gloo); ``no_ddp_hook`` (all three,
-    ``time_ddp_allreduce=False``); ``blocking_ddp_hook`` (as ``no_ddp_hook``, plus the blocking
-    hook the default used before, registered by the bench); or one callback alone."""
+    the straggler callback times DDP's all-reduce with gloo); ``no_ddp_hook`` (all three,
+    ``time_ddp_allreduce=False``); ``overlapped_ddp_hook`` / ``blocking_ddp_hook`` (as
+    ``no_ddp_hook``, plus the communication hook an earlier default used, registered by the
+    bench); or one callback alone."""
     ft = tgl.FaultToleranceCallback
     strag = tgl.StragglerCallback
     return {
@@ -257,6 +339,8 @@ def _callbacks(tgl: Any, variant: str) -> list[Any]:
         "default": lambda: [ft(), strag(window_steps=20), tgl.PreemptionCallback()],
         "no_ddp_hook": lambda: [ft(), strag(window_steps=20, time_ddp_allreduce=False),
                                 tgl.PreemptionCallback()],
+        "overlapped_ddp_hook": lambda: [ft(), strag(window_steps=20, time_ddp_allreduce=False),
+                                        tgl.PreemptionCallback()],
         "blocking_ddp_hook": lambda: [ft(), strag(window_steps=20, time_ddp_allreduce=False),
                                       tgl.PreemptionCallback()],
         "ft": lambda: [ft()],
@@ -284,8 +368,11 @@ def _overhead(steps: int, reps: int, variants: list[str]) -> dict[str, Any]:
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
     # the timing wrapper's own cost (measured in the same processes) is not the callbacks'
     calls = statistics.median(r["calls_per_step"] for r in ranks)
-    timer_cpu = statistics.median(r["timer_cpu_s_per_call"] for r in ranks) * calls
-    timer_wall = statistics.median(r["timer_s_per_call"] for r in ranks) * calls
+    # an empty hook's cost in the same fits (call + timing wrapper, as cold as ours): Lightning
+    # calls every callback's hooks whether implemented or not, so only the bodies are ours
+    timer_cpu = statistics.median(r["noop_cpu_s_per_call"] for r in ranks) * calls
+    timer_wall = statistics.median(r["noop_s_per_call"] for r in ranks) * calls
+    hot_cpu = statistics.median(r["hot_timer_cpu_s_per_call"] for r in ranks) * calls
     raw_cpu = statistics.median(r["hook_cpu_s_per_step"] for r in ranks)
     hook = statistics.median(r["hook_s_per_step"] for r in ranks) - timer_wall
     cpu = raw_cpu - timer_cpu
@@ -300,6 +387,7 @@ def _overhead(steps: int, reps: int, variants: list[str]) -> dict[str, Any]:
     fig: dict[str, Any] = {
         "callback_overhead_pct": 100 * cpu / STEP_S, "callback_cpu_us_per_step": cpu * 1e6,
         "raw_callback_cpu_us_per_step": raw_cpu * 1e6, "timer_cpu_us_per_step": timer_cpu * 1e6,
+        "hot_loop_timer_cpu_us_per_step": hot_cpu * 1e6,
         "hook_calls_per_step": calls,
         "callback_wall_overhead_pct": 100 * hook / STEP_S,
         "callback_us_per_step": hook * 1e6,
@@ -320,17 +408,19 @@ def _overhead(steps: int, reps: int, variants: list[str]) -> dict[str, Any]:
         if v != DEFAULT:
             fig[f"step_ms_{v}"] = statistics.median(step[v]) * 1e3
     for shape in ("small", "deep"):
-        # per step: the hook's extra forward+backward time over DDP's own all-reduce, both ranks'
-        # medians of step-by-step interleaved runs, as % of the bench's 10 ms step too
+        # per step: each timing's extra forward+backward time over DDP's own all-reduce, both
+        # ranks' medians of step-by-step interleaved runs
         med = {n: statistics.median(statistics.median(r["ddp_hook_micro"][shape][n])
-                                    for r in ranks) for n in ("none", "overlapped", "blocking")}
+                                    for r in ranks) for n in MICRO}
         fig[f"ddp_{shape}_fwd_bwd_us_none"] = med["none"] * 1e6
-        for n in ("overlapped", "blocking"):
+        for n in MICRO[1:]:
             fig[f"ddp_{shape}_{n}_hook_us_per_step"] = (med[n] - med["none"]) * 1e6
     if "no_ddp_hook" in variants:
-        # a DDP hook alone: the same callbacks with it (the default's overlapped one, or the
-        # blocking one used before) against without any hook (no_ddp_hook)
-        for v, key in ((DEFAULT, "ddp_hook_pct"), ("blocking_ddp_hook", "blocking_ddp_hook_pct")):
+        # the all-reduce timing alone: the same callbacks with it (the default's timer, or a
+        # hook an earlier default used) against without (no_ddp_hook)
+        for v, key in ((DEFAULT, "ddp_hook_pct"),
+                       ("overlapped_ddp_hook", "overlapped_ddp_hook_pct"),
+                       ("blocking_ddp_hook", "blocking_ddp_hook_pct")):
             if v in variants:
                 pct = [100 * (w - n) / n for w, n in zip(step[v], step["no_ddp_hook"])]
                 lo, mid, hi = _spread(pct)
@@ -396,7 +486,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--saves", type=int, default=None, help="saves per plugin (5)")
     parser.add_argument("--reps", type=int, default=3,
                         help="interleaved repetitions of every variant (>= 1, default 3)")
-    parser.add_argument("--variants", default="none,default,no_ddp_hook",
+    parser.add_argument("--variants", default="none,default,no_ddp_hook,overlapped_ddp_hook",
                         help=f"comma-separated overhead variants, 'none' and 'default' always "
                              f"included; known: {', '.join(VARIANTS)}")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -455,15 +545,18 @@ def _table(f: dict[str, Any]) -> None:
                       "reps", "<= 1 %" if v == DEFAULT else "")
     for shape, label in (("small", "Linear(64,64), 1 bucket"),
                          ("deep", "8 x Linear(256,256), 8 buckets")):
-        table.add_row(f"DDP hook cost per fwd+bwd, {label}",
-                      f"overlapped (default) {f[f'ddp_{shape}_overlapped_hook_us_per_step']:+.0f}"
-                      f" us; blocking (before) {f[f'ddp_{shape}_blocking_hook_us_per_step']:+.0f}"
-                      " us", f"no hook {f[f'ddp_{shape}_fwd_bwd_us_none']:.0f} us "
+        table.add_row(f"DDP all-reduce timing cost per fwd+bwd, {label}",
+                      f"timer (default) {f[f'ddp_{shape}_timer_hook_us_per_step']:+.0f} us; "
+                      f"overlapped hook (before) "
+                      f"{f[f'ddp_{shape}_overlapped_hook_us_per_step']:+.0f} us; blocking hook "
+                      f"{f[f'ddp_{shape}_blocking_hook_us_per_step']:+.0f} us",
+                      f"untimed {f[f'ddp_{shape}_fwd_bwd_us_none']:.0f} us "
                       "(step-by-step interleaved)", "")
-    for key, label in (("ddp_hook_pct", "overlapped DDP hook (default)"),
-                       ("blocking_ddp_hook_pct", "blocking DDP hook (before)")):
+    for key, label in (("ddp_hook_pct", "all-reduce timer (default)"),
+                       ("overlapped_ddp_hook_pct", "overlapped DDP hook (before)"),
+                       ("blocking_ddp_hook_pct", "blocking DDP hook (first)")):
         if key in f:
-            table.add_row(f"{label} vs no hook", f"wall {f[key]:+.2f} % (min "
+            table.add_row(f"{label} vs untimed", f"wall {f[key]:+.2f} % (min "
                           f"{f[key + '_min']:+.2f}, max {f[key + '_max']:+.2f})",
                           "same callbacks, time_ddp_allreduce=False", "")
     table.add_row(f"ckpt_block_ms ({f['ckpt_mb']} MB)", f"{f['ckpt_block_ms']:.1f} ms",

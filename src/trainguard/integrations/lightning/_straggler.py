@@ -2,8 +2,11 @@
 
 Sections per training batch, in Lightning's automatic-optimization order::
 
-    on_train_batch_start -> "forward" -> on_before_backward -> "backward" -> on_after_backward
-    ... on_before_optimizer_step -> "optimizer" -> on_train_batch_end   (step marked here)
+    on_train_batch_start -> "forward" -> on_before_backward -> "backward"
+    -> on_before_optimizer_step -> "optimizer" -> on_train_batch_end   (step marked here)
+
+The "backward" section excludes the exposed wait for DDP's gradient all-reduce (see
+``_ddp_hook``), counted as collective wait instead.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from trainguard.integrations.lightning._common import checkpoint_poller
 from trainguard.straggler import Detector, Report, ScoringConfig
 
 if TYPE_CHECKING:
-    from trainguard.integrations.lightning._ddp_hook import OverlapTimer
+    from trainguard.integrations.lightning._ddp_hook import BackwardWaitTimer
 
 __all__ = ["StragglerLogic"]
 
@@ -50,16 +53,17 @@ class StragglerLogic:
         detector_kwargs: more :meth:`Detector.initialize` arguments (``actions``, ``store``, ...).
         time_ddp_allreduce: DDP's gradient all-reduce runs in C++ inside ``backward``, so a fast
             rank's wait for a slow one would count as its own compute and every rank would look
-            equally slow. ``"auto"`` (default: on with gloo, off with NCCL), True or False:
-            register a DDP communication hook that times it. On gloo the hook keeps DDP's
-            bucketed asynchronous all-reduce (overlapped with the rest of ``backward``) and
-            stamps each bucket's completion; the part ``backward`` waited for (last bucket
-            issued -> last completion) counts as collective wait. On other backends (True only)
-            each bucket goes through a blocking ``torch.distributed.all_reduce``, which the
-            detector times with CUDA events; on NCCL the blocking call only enqueues. DDP takes
-            one communication hook per model: when one is registered already (e.g.
-            ``DDPStrategy(ddp_comm_hook=...)``) a warning says so and the all-reduce stays
-            untimed; pass False to skip the attempt.
+            equally slow. ``"auto"`` (default: on with gloo, off with NCCL), True or False. On
+            gloo no communication hook is registered (DDP keeps its own bucketed asynchronous
+            all-reduce, and a hook of the user's still works): autograd final callbacks, queued
+            from a hook on the model's last parameter, stamp the end of this rank's gradient
+            compute and the end of DDP's wait for the all-reduce; that span counts as collective
+            wait (three Python calls per ``backward``, none in a Lightning hook). On other
+            backends (True only) a DDP communication hook sends each bucket through a blocking
+            ``torch.distributed.all_reduce``, which the detector times with CUDA events (on NCCL
+            the blocking call only enqueues); DDP takes one communication hook per model, so
+            when one is registered already (e.g. ``DDPStrategy(ddp_comm_hook=...)``) a warning
+            says so and the all-reduce stays untimed.
 
     If :class:`Detector` is already initialized (by the user), it is used and left running.
 
@@ -103,7 +107,7 @@ class StragglerLogic:
         self.on_report = on_report
         self.detector_kwargs = dict(detector_kwargs or {})
         self.time_ddp_allreduce = time_ddp_allreduce
-        self.ddp_hooked = False
+        self.ddp_hooked = False  # DDP's gradient all-reduce is timed (either way, see above)
         self.reports: list[Report] = []
         self.stopped_at_step: int | None = None
         self._owned = False
@@ -112,7 +116,7 @@ class StragglerLogic:
         self._marks: dict[str, tuple[Callable[[], Any], Callable[..., Any]]] = {}
         self._exit: Callable[..., Any] | None = None  # __exit__ of the open section
         self._poll: Callable[[], None] | None = None
-        self._overlap: OverlapTimer | None = None  # the gloo hook's state (None: no such hook)
+        self._bwait: BackwardWaitTimer | None = None  # gloo's timer (None: not timed that way)
         self._flagged = False
         self._steps = 0
 
@@ -130,12 +134,13 @@ class StragglerLogic:
         self._active, self._flagged, self._steps = True, False, 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._overlap = None
+        self._detach_timer()
         if self._active and self.time_ddp_allreduce is not False:
-            self.ddp_hooked, self._overlap = _hook_ddp(trainer.strategy.model,
-                                                       self.time_ddp_allreduce)
+            self.ddp_hooked, self._bwait = _time_ddp(trainer.strategy.model,
+                                                     self.time_ddp_allreduce)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._detach_timer()
         if not self._active:
             return
         self._drop_open()
@@ -147,6 +152,11 @@ class StragglerLogic:
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning runs no teardown hook after an exception: stop what this callback started
         self.teardown(trainer, pl_module, "fit")
+
+    def _detach_timer(self) -> None:
+        bwait, self._bwait = self._bwait, None
+        if bwait is not None:
+            bwait.detach()
 
     def _drop_open(self) -> None:
         ex, self._exit = self._exit, None
@@ -174,16 +184,16 @@ class StragglerLogic:
             self._close()
             self._enter("backward")
 
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._active:
-            overlap = self._overlap
-            if overlap is not None:  # before the section closes: it excludes the wait
-                Detector.add_collective_wait(overlap.take_exposed_s())
-            self._close()
-
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._active:
+            self._take_wait()  # before "backward" closes: the section excludes the wait
+            self._close()
             self._enter("optimizer")
+
+    def _take_wait(self) -> None:
+        bwait = self._bwait
+        if bwait is not None and bwait.exposed_ns:
+            Detector.add_collective_wait(bwait.take_exposed_s())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -191,6 +201,7 @@ class StragglerLogic:
             self._poll()
         if not self._active:
             return
+        self._take_wait()  # no optimizer step this batch (gradient accumulation, a skip)
         self._close()
         self._steps += 1
         report = Detector.generate_report_if_interval_elapsed()
@@ -226,29 +237,27 @@ class StragglerLogic:
             logger.log_metrics(metrics, step=step)
 
 
-def _hook_ddp(model: Any, mode: bool | str) -> tuple[bool, OverlapTimer | None]:
-    """Register a timed DDP communication hook on a DDP-wrapped model: the overlapped one on
-    gloo, the blocking one elsewhere (``mode`` True only). Returns (registered, the overlapped
-    hook's state or None)."""
+def _time_ddp(model: Any, mode: bool | str) -> tuple[bool, BackwardWaitTimer | None]:
+    """Time a DDP-wrapped model's gradient all-reduce: on gloo with a :class:`BackwardWaitTimer`
+    (no communication hook), elsewhere (``mode`` True only) with the blocking hook. Returns
+    (timed, the gloo timer or None)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
         return False, None
-    group = model.process_group
     from trainguard.integrations.lightning import _ddp_hook
 
-    gloo = dist.get_backend(group) == "gloo"
-    if not gloo and mode == "auto":
+    group = model.process_group
+    if dist.get_backend(group) == "gloo":
+        timer = _ddp_hook.BackwardWaitTimer()
+        return (True, timer) if timer.attach(model) else (False, None)
+    if mode == "auto":
         return False, None
-    timer = _ddp_hook.OverlapTimer(group) if gloo else None
     try:
-        if timer is not None:
-            model.register_comm_hook(timer, _ddp_hook.overlapped_allreduce)
-        else:
-            model.register_comm_hook(group, _ddp_hook.timed_allreduce)
+        model.register_comm_hook(group, _ddp_hook.timed_allreduce)
     except RuntimeError as exc:  # DDP allows one hook per model (the user's came first)
         _log.warning("StragglerCallback: DDP gradient all-reduce not timed (%s); pass "
                      "time_ddp_allreduce=False when the model has a communication hook", exc)
         return False, None
-    return True, timer
+    return True, None
