@@ -180,6 +180,8 @@ class Session:
 
     # -- any thread --------------------------------------------------------------------------
     def take_report(self, only_new: bool) -> Report | None:
+        if only_new and self.reports_taken == self.reports_made:
+            return None  # the per-step case: no lock (two int reads; a racing report waits a step)
         with self._lock:
             if not self.reports or (only_new and self.reports_taken == self.reports_made):
                 return None

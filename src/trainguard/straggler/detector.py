@@ -324,7 +324,9 @@ class Detector:
         session = cls._get()
         if not cls._explicit_steps:
             session.step()
-        if not session.aggregate or not cls.is_interval_elapsed():
+        if not session.aggregate or session.reports_taken == session.reports_made:
+            return None  # nothing new (the common case: no clock read, no lock)
+        if not cls.is_interval_elapsed():
             return None
         report = session.take_report(only_new=True)
         if report is not None:
