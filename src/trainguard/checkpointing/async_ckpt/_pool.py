@@ -68,6 +68,7 @@ def take(nice: int) -> WriterProcess | None:
             elif found is None and w.nice == nice:
                 _idle.remove(w)
                 found = w
+                w.pooled = False
     for w in dead:
         w.stop(grace_s=0.0)
     return found
@@ -79,6 +80,7 @@ def park(writer: WriterProcess) -> bool:
     if enabled() and writer.alive():
         with _lock:
             if len(_idle) < MAX_IDLE:
+                writer.pooled = True
                 _idle.append(writer)
                 return True
     writer.stop(grace_s=2.0)
