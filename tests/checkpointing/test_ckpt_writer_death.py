@@ -34,7 +34,11 @@ def _wait_warning(caplog, text: str, timeout_s: float) -> list[str]:
 
 
 @pytest.mark.timeout(90)
-def test_sigkilled_idle_writer_is_logged_at_once_and_the_next_save_commits(tmp_path, caplog):
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
+def test_sigkilled_idle_writer_is_logged_at_once_and_the_next_save_commits(
+        tmp_path, caplog, monkeypatch, pool):
+    if not pool:
+        monkeypatch.setenv("TRAINGUARD_CKPT_WRITER_POOL", "0")
     caplog.set_level(logging.WARNING, logger="trainguard.checkpointing")
     ck = AsyncCheckpointer(tmp_path, keep_last=3)
     try:
@@ -50,6 +54,8 @@ def test_sigkilled_idle_writer_is_logged_at_once_and_the_next_save_commits(tmp_p
         assert len(lines) == 1, _warnings(caplog)
         assert "idle checkpoint writer" in lines[0] and "rank 0" in lines[0], lines
         assert "SIGKILL" in lines[0] and "next save()" in lines[0], lines
+        # replaced at once in the pool, else when the next save needs it
+        assert ("starting in the writer pool" in lines[0]) == pool, lines
         assert took < 3.0, took
         time.sleep(0.2)
         assert len(_warnings(caplog)) == 1  # one line, not one per poll
@@ -58,6 +64,8 @@ def test_sigkilled_idle_writer_is_logged_at_once_and_the_next_save_commits(tmp_p
         assert ck.wait() == [2]
         print(f"save after the kill committed in {time.monotonic() - t0:.2f} s")
         assert ck.writer.pid not in (None, pid) and wait_gone(pid)
+        # the pool's replacement (warm), else a cold start
+        assert (ck.writer.starts, ck.writer.taken) == ((1, 1) if pool else (2, 0))
         assert ck.manager.committed_steps() == [1, 2]
         assert ck.load()[0]["w"][0].item() == 2.0 and ck.load()[1] == 2
     finally:

@@ -37,8 +37,9 @@ class WriterProcess:
 
     A process that dies unasked (``kill -9``, the OOM killer), idle or not, is noticed at once
     by an :class:`~trainguard._core.procs.ExitWatch` thread: one WARNING names its pid, rank and
-    exit signal. Nothing else changes then: the next request finds it dead and the handle gets a
-    new process (pool first), as :meth:`ensure_started` does.
+    exit signal. An idle one is replaced at once in the writer pool (when enabled), so the next
+    request, which finds it dead, takes the replacement warm (:meth:`ensure_started`) instead of
+    waiting for a new interpreter to import torch; requests in flight fail as before.
     """
 
     def __init__(self, rank: int, nice: int = 0, warm_dcp: bool = False) -> None:
@@ -84,6 +85,11 @@ class WriterProcess:
         else:
             what = "idle checkpoint writer"
             then = "the next save() starts a new writer"
+            from trainguard.checkpointing.async_ckpt import _pool
+
+            # only one that had started: a writer that cannot start must not respawn forever
+            if self.ready and _pool.spawn(self.rank, self.nice, warm_dcp=self.warm_dcp):
+                then = "a new one is starting in the writer pool for the next save()"
         _log.warning("%s pid %d of rank %d died (%s); %s", what, pid, self.rank, how, then)
 
     @property
