@@ -78,7 +78,7 @@ class WriterProcess:
             how = describe_exit(proc.returncode)  # reaped by the owner first: its status
         if self.pooled:
             what = "pooled idle checkpoint writer"
-            then = "it is dropped from the pool"
+            then = "the pool drops it when a checkpointer next takes a writer"
         elif self.owed:
             what = "checkpoint writer"
             then = f"{self.owed} request(s) in flight fail; the next save() starts a new writer"
@@ -305,7 +305,6 @@ class WriterProcess:
         import signal
 
         self._unwatch()
-
         terminate_processes([self.proc], grace_s=0.5, first_signal=signal.SIGKILL)
         self._close_handles()
 
