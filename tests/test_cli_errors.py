@@ -15,8 +15,8 @@ CASES = [  # argv, the program named in the message, what the message must say
     (["--bogus"], "trainguard", "unrecognized arguments: --bogus"),
     (["nosuch"], "trainguard", "invalid choice: 'nosuch'"),
     (["demo", "--bogus"], "trainguard demo", "unrecognized arguments: --bogus"),
-    (["demo", "--steps", "-1"], "trainguard demo", "--steps: '-1' must be >= 1"),
-    (["demo", "--duration", "x"], "trainguard demo", "--duration: 'x' is not a number"),
+    (["demo", "--steps", "-1"], "trainguard demo", "--steps: must be >= 1 (got '-1')"),
+    (["demo", "--duration", "x"], "trainguard demo", "--duration: 'x' is not a number of seconds"),
     (["analyze", "--bogus"], "trainguard analyze", "unrecognized arguments: --bogus"),
     (["attrsvc", "--allowed-root", ".", "--port", "x"], "trainguard attrsvc", "--port"),
     (["attrsvc", "--allowed-root", ".", "--bogus"], "trainguard attrsvc", "--bogus"),
@@ -50,6 +50,6 @@ def test_python_m_demo_is_the_demo_cli_with_one_line_errors():
     r = subprocess.run([sys.executable, "-m", "trainguard._demo", "--duration", "-1"],
                        check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r
-    want = ("trainguard demo: error: argument --duration: '-1' must be >= 20.0; "
+    want = ("trainguard demo: error: argument --duration: must be >= 20 seconds (got '-1'); "
             "see 'trainguard demo --help'")
     assert r.stderr.splitlines() == [want], r.stderr
