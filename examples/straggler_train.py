@@ -1,4 +1,5 @@
-"""Straggler detection in a small DDP-style loop: 2 gloo ranks, rank 1 twice as slow from step 120 (with 2 ranks, 2x is 1.33x the median).
+"""Straggler detection in a small DDP-style loop: 2 gloo ranks, rank 1 twice as slow from step
+120 (with 2 ranks, 2x is 1.33x the median).
 
 Run: ``python examples/straggler_train.py runs/straggler-example`` then
 ``trainguard straggler report runs/straggler-example``.

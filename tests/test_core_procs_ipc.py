@@ -62,3 +62,41 @@ def test_messages_round_trip_and_reject_other_versions():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_exit_watch_reports_a_kill_at_once_without_reaping_and_cancel_silences_it():
+    import threading
+
+    from trainguard._core.procs import ExitWatch
+
+    got: list[tuple[int, str, float]] = []
+    fired = threading.Event()
+
+    def on_exit(pid: int, how: str) -> None:
+        got.append((pid, how, time.monotonic()))
+        fired.set()
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watch, muted = ExitWatch(killed.pid, on_exit, "t-watch"), ExitWatch(quiet.pid, on_exit, "t-m")
+    try:
+        time.sleep(0.1)
+        assert got == []  # nothing while both run
+        muted.cancel()
+        t0 = time.monotonic()
+        killed.kill()
+        quiet.kill()
+        assert fired.wait(5.0)
+        print(f"on_exit {got[0][2] - t0:.3f} s after the kill: {got}")
+        assert [(pid, how) for pid, how, _ in got] == [(killed.pid, "killed by signal SIGKILL")]
+        assert killed.wait(5.0) == -signal.SIGKILL  # the owner still reaps its own status
+        time.sleep(0.1)
+        assert len(got) == 1
+        watch.cancel()  # joins the (finished) thread
+        assert not any(t.name in ("t-watch", "t-m") for t in threading.enumerate())
+    finally:
+        watch.cancel()
+        muted.cancel()
+        for p in (killed, quiet):
+            p.kill()
+            p.wait(5.0)

@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from trainguard._core.cli import ArgumentParser
+
 # sub-command name -> module holding ``register(subparsers)``; registering imports only
 # argparse code.
 _COMMANDS: dict[str, str] = {
@@ -24,7 +26,7 @@ _COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(  # one-line errors, sub-commands included (_core.cli)
         prog="trainguard",
         description="Fault tolerance for PyTorch distributed training and inference.",
     )
@@ -45,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _innermost(parser: argparse.ArgumentParser,
+               args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub-)sub-command parser ``args`` was parsed by."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if not subs or chosen not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[chosen]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["launch"]:  # parsed by the launcher itself: script flags stay verbatim
@@ -52,7 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch_main(args_in[1:])
     parser = build_parser()
-    args = parser.parse_args(args_in)
+    args, extra = parser.parse_known_args(args_in)
+    if extra:  # named by the sub-command that got them, with its --help
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

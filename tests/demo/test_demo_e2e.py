@@ -136,9 +136,10 @@ def _check_resumed_from_the_last_commit(out: Path, summary: dict) -> None:
         (["--faults", "hang@rank9:step3"], "rank 9 does not exist"),
         (["--faults", "hang@rank1:step500"], "past the last step (160)"),
         (["--soft-timeout", "9"], "must be below --hard-timeout"),
-        (["--steps", "0"], "must be >= 1"),
-        (["--duration", "5"], "'5' must be >= 20.0"),
-        (["--duration", "20", "--fault-every", "2"], "'2' must be >= 5.0"),
+        (["--steps", "0"], "--steps: must be >= 1 (got '0')"),
+        (["--duration", "5"], "--duration: must be >= 20 seconds (got '5')"),
+        (["--duration", "20", "--fault-every", "2"],
+         "--fault-every: must be >= 5 seconds (got '2')"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_error(tmp_path: Path, capsys, args, message):

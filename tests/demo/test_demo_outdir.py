@@ -156,7 +156,7 @@ def test_a_read_only_filesystem_exits_2(tmp_path):
         (["--steps", "abc"], "argument --steps: 'abc' is not an integer"),
         (["--seed", "1.5"], "argument --seed: '1.5' is not an integer"),
         (["--soft-timeout", "soon"], "argument --soft-timeout: 'soon' is not a number"),
-        (["--hard-timeout", "nan"], "'nan' must be >= 1.0"),
+        (["--hard-timeout", "nan"], "--hard-timeout: must be >= 1 seconds (got 'nan')"),
     ],
 )
 def test_argument_errors_read_well(tmp_path, capsys, args, message):

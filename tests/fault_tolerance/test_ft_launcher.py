@@ -97,7 +97,7 @@ def test_a_killed_monitor_is_respawned_and_still_catches_the_hang(tmp_path):
     try:
         _wait_log(tmp_path, ":1: ready")
         monitors = [p for p in psutil.Process(proc.pid).children()
-                    if '"local_rank": 1' in _cmdline(p) and "_monitor" in _cmdline(p)]
+                    if _cmdline(p).strip() == "trainguard: rank 1 rank monitor (local 1)"]
         assert len(monitors) == 1
         monitors[0].kill()
         (tmp_path / "go").write_text("")

@@ -93,8 +93,14 @@ def test_unpicklable_input_raises_in_caller_and_keeps_runner(runner):
     assert runner.healthy and runner.generate(1) == 1
 
 
+def test_rank_processes_are_titled_with_their_rank(runner):
+    titles = sorted(" ".join(c.cmdline()).strip() for c in live_children())
+    ranks = [t for t in titles if t.startswith("trainguard: rank")]
+    assert ranks == ["trainguard: rank 0 runner worker", "trainguard: rank 1 runner worker"], titles
+
+
 def test_idle_ranks_use_almost_no_cpu_and_answer_after_idle(runner):
-    pids = [c.pid for c in live_children() if "multiprocessing" in " ".join(c.cmdline())]
+    pids = [c.pid for c in live_children() if "runner worker" in " ".join(c.cmdline())]
     procs = [psutil.Process(p) for p in pids]
     assert len(procs) >= 2
     before = [sum(p.cpu_times()[:2]) for p in procs]

@@ -25,14 +25,16 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import psutil
 
 from trainguard._core.clock import Deadline
 
 __all__ = [
+    "ExitWatch",
     "ProcLike",
     "describe_exit",
     "descendants",
@@ -70,6 +72,79 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def exit_status(pid: int) -> str:
+    """How child ``pid`` ended (``killed by signal SIGKILL``, ``exit code 3``) without reaping
+    it (``waitid`` with ``WNOWAIT``: its owner's ``Popen.poll`` still gets the status); ``exited``
+    when that cannot be read (already reaped, or not our child). Never blocks."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+    except (ChildProcessError, OSError, AttributeError):
+        return "exited"
+    if info is None:
+        return "still running"
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return describe_exit(-info.si_status)
+    return describe_exit(info.si_status)
+
+
+class ExitWatch:
+    """Call ``on_exit(pid, how)`` from a named daemon thread as soon as process ``pid`` exits
+    (``how`` as :func:`exit_status` gives it), unless :meth:`cancel` came first.
+
+    The thread waits on a pidfd (the kernel's exit notification, no polling) in chunks of
+    ``CHUNK_S`` and never reaps the process: its owner keeps its exit status. Use it to notice an
+    idle helper process dying (a SIGKILL, the OOM killer) when nothing reads its pipe; cancel it
+    before stopping the process on purpose. Without pidfds (Linux < 5.3) it watches nothing.
+    """
+
+    CHUNK_S = 5.0  # each wait is bounded; cancel() wakes the thread at once anyway
+
+    def __init__(self, pid: int, on_exit: Callable[[int, str], None], name: str) -> None:
+        self.pid = pid
+        self._on_exit = on_exit
+        self._cancelled = threading.Event()
+        self._fds_lock = threading.Lock()  # the wake pipe is closed by the thread, under it
+        self._fds_open = False
+        self._thread: threading.Thread | None = None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        self._wake_r, self._wake_w = os.pipe()
+        self._fds_open = True
+        self._thread = threading.Thread(target=self._run, args=(pidfd,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, pidfd: int) -> None:
+        try:
+            while not self._cancelled.is_set():
+                ready = select.select([pidfd, self._wake_r], [], [], self.CHUNK_S)[0]
+                if pidfd in ready and not self._cancelled.is_set():
+                    self._on_exit(self.pid, exit_status(self.pid))
+                    return
+        finally:
+            with self._fds_lock:
+                self._fds_open = False
+                for fd in (pidfd, self._wake_r, self._wake_w):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    def cancel(self, timeout_s: float = 2.0) -> None:
+        """Stop watching (idempotent, any thread); joins the thread for up to ``timeout_s`` s.
+        Called from ``on_exit`` itself it only marks the watch cancelled."""
+        if self._cancelled.is_set():
+            return
+        self._cancelled.set()
+        thread = self._thread
+        if thread is None:
+            return
+        with self._fds_lock, contextlib.suppress(OSError):
+            if self._fds_open:
+                os.write(self._wake_w, b"x")
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
 
 
 def _own_lineage() -> set[int]:

@@ -43,13 +43,17 @@ _KIND_NAMES = {int: "an integer", float: "a number"}
 
 
 def _positive(kind: type, minimum: float):
+    """argparse type: ``kind`` >= ``minimum``; every float flag of the demo is in seconds."""
+    unit = " seconds" if kind is float else ""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {_KIND_NAMES[kind]}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {_KIND_NAMES[kind]}{unit and ' of' + unit}") from None
         if not value >= minimum:  # also rejects nan
-            raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}{unit} (got {text!r})")
         return value
 
     return parse

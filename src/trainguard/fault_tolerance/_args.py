@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from trainguard._core.cli import ArgumentParser
 from trainguard.fault_tolerance._identity import NodeIdentity, resolve_identity, slurm_nnodes
 from trainguard.fault_tolerance.config import FaultToleranceConfig, load_yaml_section
 from trainguard.fault_tolerance.errors import LaunchConfigError
@@ -208,7 +209,7 @@ def _with_default(help_: str, default: Any) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(  # one-line errors (_core.cli)
         prog="trainguard launch", allow_abbrev=True,
         description="torchrun-compatible launcher with hang detection and fast in-job restart. "
                     "Every torchrun flag is also read from PET_<FLAG> (CLI > env > default).",

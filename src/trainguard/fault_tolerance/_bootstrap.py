@@ -16,9 +16,9 @@
   can deadlock on the GIL (seen: a forked rank stuck in ``std::thread::join`` after its script
   returned, 1 rank of 6 in the simulated-node tests).
 * The process title (``ps``, ``/proc/PID/cmdline``) becomes ``trainguard worker rank R (local
-  L) : python script.py ARGS`` through ``setproctitle``, instead of the fork server's or the
-  bootstrap's command line; without that package the title stays and only the 15-byte thread
-  name (``ps -o comm``, ``top``) is set, to ``tg-rank-R``.
+  L) : python script.py ARGS`` through ``_core.proctitle`` (``setproctitle``), instead of the
+  fork server's or the bootstrap's command line; without that package the title stays and only
+  the 15-byte thread name (``ps -o comm``, ``top``) is set, to ``tg-rank-R``.
 * Then the script runs as ``python script.py`` / ``python -m module`` would run it, with
   ``sys.argv`` exactly as given; ``--no-python`` execs the command instead.
 
@@ -38,23 +38,15 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from trainguard._core import pg_guard
-
-_setproctitle: Callable[[str], None] | None
-_getproctitle: Callable[[], str] | None
-try:
-    from setproctitle import getproctitle as _getproctitle
-    from setproctitle import setproctitle as _setproctitle
-except ImportError:  # optional at run time: the title is then left as it is
-    _setproctitle = _getproctitle = None
+from trainguard._core.proctitle import prepare_title, set_title
 
 __all__ = ["STACKS_SIGNAL", "prepare_title", "run_worker", "set_pdeathsig", "worker_title"]
 
 STACKS_SIGNAL = signal.SIGRTMIN + 2  # type: ignore[attr-defined]
 _PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 ENV_SLOT = "TRAINGUARD_FT_SLOT"
 ENV_AUTO_HB = "TRAINGUARD_FT_AUTO_HB_INTERVAL"
 
@@ -138,24 +130,9 @@ def worker_title(mode: str, target: str, args: list[str], env: Mapping[str, str]
             f" : {shlex.join([*cmd, *args])}")
 
 
-def prepare_title() -> None:
-    """Let ``setproctitle`` find this process's argv area now (the fork server calls it before
-    forking): it walks there from the C ``environ``, which a forked worker replaces
-    (``os.environ.clear()``), after which setting the title silently does nothing."""
-    if _getproctitle is not None:
-        _getproctitle()
-
-
 def _set_title(title: str, rank: str) -> None:
-    """Best effort: the whole title with ``setproctitle``, else the thread name only."""
-    if _setproctitle is not None:
-        _setproctitle(title)
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, f"tg-rank-{rank}".encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the title stays as it was
+    """Best effort (``_core.proctitle``): the whole title, else the thread name ``tg-rank-R``."""
+    set_title(title, f"tg-rank-{rank}")
 
 
 def _exit_code(exc: SystemExit) -> int:

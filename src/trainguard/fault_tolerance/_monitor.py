@@ -29,6 +29,7 @@ from typing import Any
 
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.procs import pid_alive, terminate_processes
+from trainguard._core.proctitle import set_title
 from trainguard.fault_tolerance._bootstrap import set_pdeathsig
 from trainguard.fault_tolerance._slot import Slot, W
 from trainguard.fault_tolerance.config import FaultToleranceConfig, signal_number
@@ -247,6 +248,9 @@ class Monitor:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     set_pdeathsig(int(spec["parent"]))
+    # ps shows this, not the JSON spec on the command line
+    set_title(f"trainguard: rank {spec['rank']} rank monitor (local {spec['local_rank']})",
+              f"tg-rankmon{spec['local_rank']}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards signals, not the tty
     cfg = FaultToleranceConfig.from_json(spec["cfg"])
     mon = Monitor(int(spec["rank"]), int(spec["local_rank"]), spec["slot"], spec["socket"], cfg,

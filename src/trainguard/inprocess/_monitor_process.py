@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.procs import terminate_processes
+from trainguard._core.proctitle import set_title
 from trainguard._core.store import reentrant_barrier, wait_key
 from trainguard.errors import ConfigError
 from trainguard.inprocess import _coord as co
@@ -161,6 +162,8 @@ def _child(cfg, block, store_fn, cmd_r, status_w, trainer_pid) -> None:
     code = 0
     try:
         os.setpgid(0, 0)  # a Ctrl-C to the job's group must not kill the monitor first
+        set_title(f"trainguard: rank {cfg.initial_rank} monitor",
+                  f"tg-rank{cfg.initial_rank}-mon")  # ps tells it from its trainer
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _redirect_stdio(cfg.logfile)
         log = _child_logger(cfg)

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainguard._core.ipc import FrameReader, send_frame
+from trainguard._core.proctitle import set_title
 from trainguard._core.shm import ShmAllocationError, sweep_prefix
 from trainguard.runner._transport import Receiver, Sender
 
@@ -62,6 +63,7 @@ def child_main(spec: ChildSpec, inbox: Any, outbox: Any, death: Any) -> None:
     """Entry point of a rank process; exits with 0 after SHUTDOWN or parent exit, 1 on load
     error."""
     os.setpgid(0, 0)  # own group: a terminal Ctrl-C reaches the parent only
+    set_title(f"trainguard: rank {spec.rank} runner worker", f"tg-runner{spec.rank}")
     signal.signal(signal.SIGINT, signal.default_int_handler)  # parent spawned us with SIG_IGN
     faulthandler.enable()
     threading.Thread(target=_watch_parent, args=(death.fileno(), spec.shm_prefix),

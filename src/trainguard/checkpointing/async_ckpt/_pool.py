@@ -8,6 +8,8 @@ writers instead:
 * ``AsyncCheckpointer.abort()`` (restart) parks its idle writer here (the worker unmaps every arena
   it was sent, ``op: reset``); a busy one is killed and a replacement is spawned here at once, so
   it imports torch while the restart goes on;
+* an idle writer that dies unasked (``kill -9``, the OOM killer) is replaced here at once, by
+  the thread that noticed the death (``_writer``), so the next save takes the replacement;
 * a new or aborted checkpointer takes a writer with the same ``nice`` from here before spawning;
 * ``__exit__`` with an exception and the finalizer of an abandoned checkpointer park its idle
   writer too; ``close()`` stops it;
@@ -68,6 +70,7 @@ def take(nice: int) -> WriterProcess | None:
             elif found is None and w.nice == nice:
                 _idle.remove(w)
                 found = w
+                w.pooled = False
     for w in dead:
         w.stop(grace_s=0.0)
     return found
@@ -79,6 +82,7 @@ def park(writer: WriterProcess) -> bool:
     if enabled() and writer.alive():
         with _lock:
             if len(_idle) < MAX_IDLE:
+                writer.pooled = True
                 _idle.append(writer)
                 return True
     writer.stop(grace_s=2.0)

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from trainguard._core.ipc import FrameReader, decode_msg, send_msg
+from trainguard._core.proctitle import set_title
 
 __all__ = ["worker_main"]
 
@@ -275,8 +276,11 @@ class _Worker:
         if req["op"] == "reset":  # back to the pool, or taken from it: hold nothing of anyone
             for name in list(self.maps):
                 self.release(name)
-            if "rank" in req:
+            if "rank" in req:  # taken by a checkpointer of this rank
                 os.environ["RANK"] = str(req["rank"])
+                _title(int(req["rank"]))
+            else:  # parked in the pool
+                _title(int(os.environ.get("RANK", "-1")), " (pooled, idle)")
             return True
         if req.get("arena_fd"):
             self.receive_arena(req["arena"])
@@ -326,6 +330,7 @@ def _fast_torch_save() -> None:
 def worker_main(fd: int, parent_pid: int, rank: int, nice: int = 0) -> None:
     """Entry point of the writer process (runs until told to exit or orphaned)."""
     os.environ["RANK"] = str(rank)
+    _title(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
     if nice:
         try:
@@ -342,6 +347,11 @@ def worker_main(fd: int, parent_pid: int, rank: int, nice: int = 0) -> None:
     finally:
         for path in list(worker.maps):
             worker.release(path)
+
+
+def _title(rank: int, state: str = "") -> None:
+    """``ps`` shows ``trainguard: rank R ckpt writer`` (``... (pooled, idle)`` while parked)."""
+    set_title(f"trainguard: rank {rank} ckpt writer{state}", f"tg-ckpt{rank}")
 
 
 def _log_quiet_exit(rank: int, exc: BaseException) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
 from trainguard._core.logging import get_logger
-from trainguard._core.procs import describe_exit, terminate_processes
+from trainguard._core.procs import ExitWatch, describe_exit, terminate_processes
 from trainguard.checkpointing._staging import Arena
 
 __all__ = ["ArenaPool", "WriterDied", "WriterProcess"]
@@ -34,6 +34,12 @@ class WriterProcess:
 
     Counters (observable for tests): ``starts`` - processes this handle spawned cold;
     ``taken`` - warm processes it took from the pool.
+
+    A process that dies unasked (``kill -9``, the OOM killer), idle or not, is noticed at once
+    by an :class:`~trainguard._core.procs.ExitWatch` thread: one WARNING names its pid, rank and
+    exit signal. An idle one is replaced at once in the writer pool (when enabled), so the next
+    request, which finds it dead, takes the replacement warm (:meth:`ensure_started`) instead of
+    waiting for a new interpreter to import torch; requests in flight fail as before.
     """
 
     def __init__(self, rank: int, nice: int = 0, warm_dcp: bool = False) -> None:
@@ -49,6 +55,42 @@ class WriterProcess:
         self.park_on_release = True  # release(): an idle writer goes to the pool (else stopped)
         self.sent_arenas: set[str] = set()
         self.backlog: list[tuple[dict[str, Any], bytes | None, Arena | None]] = []
+        self.pooled = False  # parked in the pool (for the death warning only)
+        self._watch: ExitWatch | None = None
+
+    def _watch_exit(self) -> None:
+        """Warn as soon as the current process dies unasked (see the class docstring)."""
+        self._unwatch()
+        if self.proc is not None:
+            self._watch = ExitWatch(self.proc.pid, self._died,
+                                    name=f"tg-ckpt-writer-watch-{self.proc.pid}")
+
+    def _unwatch(self) -> None:
+        """Before stopping the process on purpose (or handing it over): no warning then."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+
+    def _died(self, pid: int, how: str) -> None:
+        """ExitWatch thread: one line; the owner's next request reaps it and gets a new one."""
+        proc = self.proc
+        if how == "exited" and proc is not None and proc.pid == pid and proc.returncode is not None:
+            how = describe_exit(proc.returncode)  # reaped by the owner first: its status
+        if self.pooled:
+            what = "pooled idle checkpoint writer"
+            then = "the pool drops it when a checkpointer next takes a writer"
+        elif self.owed:
+            what = "checkpoint writer"
+            then = f"{self.owed} request(s) in flight fail; the next save() starts a new writer"
+        else:
+            what = "idle checkpoint writer"
+            then = "the next save() starts a new writer"
+            from trainguard.checkpointing.async_ckpt import _pool
+
+            # only one that had started: a writer that cannot start must not respawn forever
+            if self.ready and _pool.spawn(self.rank, self.nice, warm_dcp=self.warm_dcp):
+                then = "a new one is starting in the writer pool for the next save()"
+        _log.warning("%s pid %d of rank %d died (%s); %s", what, pid, self.rank, how, then)
 
     @property
     def pid(self) -> int | None:
@@ -109,6 +151,7 @@ class WriterProcess:
         self.conn = FrameReader(parent.fileno())
         self.sent_arenas, self.backlog = set(), []
         self.starts += 1
+        self._watch_exit()
         _log.debug("started checkpoint writer pid %d", proc.pid)
         self._send_warm()
 
@@ -134,10 +177,12 @@ class WriterProcess:
 
     def _adopt(self, other: WriterProcess) -> None:
         """Take ``other``'s process and handles; ``other`` is left empty."""
+        other._unwatch()
         self.proc, self.sock, self.conn = other.proc, other.sock, other.conn
         self.pidfd, self.ready, self.owed = other.pidfd, other.ready, 0
         self.sent_arenas, self.backlog, other.backlog = set(), [], []
         other.proc, other.conn, other.pidfd, other.ready = None, None, None, False
+        self._watch_exit()
 
     def release(self) -> None:
         """Owner gone (finalizer, ``close``): an idle writer goes to the pool when
@@ -229,6 +274,7 @@ class WriterProcess:
         not known to be ready (still importing torch: it holds nothing) gets SIGTERM at once."""
         if self.proc is None:
             return
+        self._unwatch()
         if grace_s > 0 and self.alive() and self.ready:
             try:
                 send_msg(self.sock.fileno(), _MSG, {"op": "exit"})
@@ -246,6 +292,7 @@ class WriterProcess:
             return
         import signal
 
+        self._unwatch()
         try:
             proc.send_signal(signal.SIGKILL)
         except (OSError, ProcessLookupError):
@@ -257,6 +304,7 @@ class WriterProcess:
             return
         import signal
 
+        self._unwatch()
         terminate_processes([self.proc], grace_s=0.5, first_signal=signal.SIGKILL)
         self._close_handles()
 
@@ -270,6 +318,7 @@ class WriterProcess:
             terminate_processes([proc], grace_s=0.5)
 
     def _close_handles(self) -> None:
+        self._unwatch()
         if self.conn is not None:
             self.sock.close()
         if self.pidfd is not None:
