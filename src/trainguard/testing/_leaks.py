@@ -19,7 +19,8 @@ from trainguard.testing.netns import NETNS_PATTERN, _delete_namespaces, list_net
 __all__ = ["LeakChecker", "harness_netns", "live_children", "trainguard_shm_segments"]
 
 # Helpers that multiprocessing keeps for the interpreter's lifetime are not leaks.
-_IGNORED_CMDLINE = ("resource_tracker", "forkserver", "semaphore_tracker")
+_IGNORED_CMDLINE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+                    "multiprocessing.semaphore_tracker")
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "tg_"  # every trainguard shared-memory segment name starts with this
 
