@@ -35,7 +35,7 @@ from trainguard.attribution._context import LineContext, is_launcher_log, parse_
 from trainguard.attribution._registry import Pattern, Registry
 from trainguard.attribution.errors import LogInputError
 
-__all__ = ["ExitEvent", "Match", "ScanState", "scan_files"]
+__all__ = ["ExitEvent", "Match", "Recovery", "ScanState", "scan_files"]
 
 _CHUNK = 1 << 20
 _MAX_LINE = 1 << 16  # longer lines are split; their tail is matched as its own line
@@ -45,6 +45,8 @@ _MAX_KEYS = 4096
 _TEXT = 400
 _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
+_MAX_RECOVERIES = 64  # in-process restarts kept (later ones are counted only)
+_RECOVERED_KEEP = 32  # failure lines kept per in-process restart
 #: lines after a failure record's host field (Ray's ``ip:``) within which the first failure line
 #: is taken as the record's reason (room for a few unrelated lines interleaved by other processes)
 _RECORD_SPAN = 12
@@ -104,6 +106,51 @@ class ExitEvent:
 
 
 @dataclass
+class Recovery:
+    """An in-process restart the log records (``inprocess.Wrapper``'s ``restart N -> N+1:
+    cause=... ranks=[...]``, NVRx's ``[NestedRestarter] ... state=handling stage=completed``):
+    the failure lines printed in the same file since the previous one were recovered from.
+
+    ``iteration`` is the restart iteration that failed, ``cause`` and ``ranks`` what the restart
+    record says about the fault (``exception``, ``[1]``), ``faults`` the failure lines it recovered
+    from (the first :data:`_RECOVERED_KEEP`, in log order; empty when another rank's record of the
+    same restart already took them).
+    """
+
+    order: tuple[int, int]
+    text: str
+    pattern: str
+    iteration: int | None
+    cause: str | None
+    ranks: set[int] = field(default_factory=set)
+    faults: list[Match] = field(default_factory=list)
+
+
+@dataclass
+class _Bucket:
+    """Failure matches of the current file since its last in-process restart record, with the
+    same bounds as :class:`ScanState`'s own (they join it when the file ends without one)."""
+
+    matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    who: dict[str, set] = field(default_factory=lambda: defaultdict(set))
+
+    def add(self, m: Match) -> None:
+        pid = m.pattern.id
+        self.counts[pid] += 1
+        if len(self.matches[pid]) < _KEEP:
+            self.matches[pid].append(m)
+        who = self.who[pid]
+        if len(who) < _MAX_KEYS:
+            who.add((m.ctx, m.groups))
+
+    def clear(self) -> None:
+        self.matches.clear()
+        self.counts.clear()
+        self.who.clear()
+
+
+@dataclass
 class ScanState:
     """Everything the verdict needs, accumulated over all files."""
 
@@ -144,6 +191,12 @@ class ScanState:
     _record_rank: int | None = None
     _record_node: tuple[int, int, str] | None = None  # (file, line, host) of a record's subject
     _record_open: tuple[int, int] | None = None  # (file, line) of a record's first field
+    #: in-process restarts, in log order (at most ``_MAX_RECOVERIES``; ``recovery_count`` all)
+    recoveries: list[Recovery] = field(default_factory=list)
+    recovery_count: int = 0
+    #: (file, line) of the last in-process restart record or completion line: the job went on
+    last_resume: tuple[int, int] | None = None
+    pending: _Bucket = field(default_factory=_Bucket)
 
     def add(self, m: Match) -> None:
         pid = m.pattern.id
@@ -153,6 +206,38 @@ class ScanState:
         who = self.who[pid]
         if len(who) < _MAX_KEYS:
             who.add((m.ctx, m.groups))
+
+    def flush_pending(self) -> None:
+        """The current file ended: its failure lines since its last in-process restart stand."""
+        p = self.pending
+        for pid, n in p.counts.items():
+            self.counts[pid] += n
+            kept = self.matches[pid]
+            kept.extend(p.matches[pid][: max(0, _KEEP - len(kept))])
+            who = self.who[pid]
+            for key in p.who[pid]:
+                if len(who) >= _MAX_KEYS:
+                    break
+                who.add(key)
+        p.clear()
+
+    def recover(self, rec: Recovery) -> None:
+        """An in-process restart record: the failure lines pending in this file were recovered
+        from; another rank's record of the same restart (same iteration) joins the last one."""
+        faults = sorted((m for ms in self.pending.matches.values() for m in ms),
+                        key=lambda m: m.order)[:_RECOVERED_KEEP]
+        self.pending.clear()
+        self.last_resume = rec.order
+        last = self.recoveries[-1] if self.recoveries else None
+        if last is not None and rec.iteration is not None and last.iteration == rec.iteration \
+                and last.order[0] == rec.order[0]:
+            last.ranks |= rec.ranks
+            last.faults = (last.faults + faults)[:_RECOVERED_KEEP]
+            return
+        self.recovery_count += 1
+        if len(self.recoveries) < _MAX_RECOVERIES:
+            rec.faults = faults
+            self.recoveries.append(rec)
 
 
 def _decode(raw: bytes, state: ScanState, name: str) -> str:
@@ -314,6 +399,8 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             _fact(pat, m.groupdict(), ctx, state, (pos, text[:_TEXT]))
             if pat.role == "completion":
                 state.add(Match(pat, pos[0], pos[1], text[:_TEXT], ctx, ()))
+            elif pat.role == "recovery":
+                _recovery(pat, m.groupdict(), pos, text, state)
     if ctx.rank is not None and len(state.ranks_seen) < _MAX_KEYS:
         state.ranks_seen.add(ctx.rank)
         if ctx.node is not None and ctx.pid is None:  # "[node-01] [rank3]:", Ray "ip=... [Rank 3]"
@@ -349,10 +436,25 @@ def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: L
         ctx = _subject(pos, ctx, state)
     kept = tuple((k, v) for k, v in groups.items() if v is not None)
     match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept, level)
-    state.add(match)
+    if pat.role in _FAILURE_ROLES:  # stands unless an in-process restart record follows
+        state.pending.add(match)
+    else:
+        state.add(match)
     _side_facts(match, state)
     if pat.role == "exit":
         _exit_event(match, state)
+
+
+def _recovery(pat: Pattern, groups: dict[str, str | None], pos: tuple[int, int], text: str,
+              state: ScanState) -> None:
+    """An in-process restart record: what failed before it in this file was recovered from,
+    and a teardown line (the fault's traceback) before it did not end the job."""
+    ranks = {int(r) for r in (groups.get("ranks") or "").replace(",", " ").split() if r.isdigit()}
+    it = groups.get("iteration")
+    state.recover(Recovery(pos, text[:_TEXT], pat.id, int(it) if it else None,
+                           groups.get("cause"), ranks))
+    if state.last_teardown is not None and state.last_teardown[0] == pos[0]:
+        state.last_teardown = None
 
 
 def _exit_event(m: Match, state: ScanState) -> None:
@@ -487,7 +589,10 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
         if is_launcher_log(head[:16384].decode("utf-8", "replace")):
             state.launcher_files.add(file)
         fh.seek(0)
-        base = _read_blocks(fh, file, reg, state)
+        try:
+            base = _read_blocks(fh, file, reg, state)
+        finally:
+            state.flush_pending()
         state.lines += base
 
 
