@@ -13,6 +13,7 @@ shows being loaded (a row may require its ``path`` to lie inside one: ``within:
 loaded_checkpoint``), and the host of an open failure record (Ray's ``ip:``), which the record's
 reason line is about.
 
+A torchelastic error file (``error.json``, see ``_errfile``) is read as the traceback it records.
 The first 64 KiB of each file are sniffed: NUL bytes are an error (binary), and more than 10%
 undecodable or control characters make a warning and mark the file as not text.
 """
@@ -20,6 +21,7 @@ undecodable or control characters make a warning and mark the file as not text.
 from __future__ import annotations
 
 import codecs
+import io
 import os
 import posixpath
 from collections import defaultdict
@@ -32,6 +34,11 @@ except ImportError:  # pragma: no cover - the bytes.find fallback gives identica
     _ac = None  # type: ignore[assignment]
 
 from trainguard.attribution._context import LineContext, is_launcher_log, parse_prefix, severity
+from trainguard.attribution._errfile import (
+    MAX_ERROR_FILE_BYTES,
+    error_file_text,
+    looks_like_error_file,
+)
 from trainguard.attribution._registry import Pattern, Registry
 from trainguard.attribution.errors import LogInputError
 
@@ -590,10 +597,21 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
             state.launcher_files.add(file)
         fh.seek(0)
         try:
-            base = _read_blocks(fh, file, reg, state)
+            base = _read_blocks(_error_file(fh, head) or fh, file, reg, state)
         finally:
             state.flush_pending()
         state.lines += base
+
+
+def _error_file(fh, head: bytes) -> io.BytesIO | None:
+    """The traceback a torchelastic error file (``error.json``) records, as a stream to scan
+    like a log (see ``_errfile``); ``None`` (``fh`` rewound) for anything else."""
+    if not looks_like_error_file(head):
+        return None
+    raw = fh.read(MAX_ERROR_FILE_BYTES + 1)
+    text = error_file_text(raw) if len(raw) <= MAX_ERROR_FILE_BYTES else None
+    fh.seek(0)
+    return io.BytesIO(text.encode("utf-8")) if text is not None else None
 
 
 def _read_blocks(fh, file: int, reg: Registry, state: ScanState) -> int:
