@@ -22,7 +22,7 @@ from trainguard.attribution._analyze import analyze_logs
 from trainguard.cli import main
 
 RUNS = DATA / "runs"
-_RESTART_LINE = re.compile(r"restart \d+ -> \d+: cause=")
+_RESTART_LINE = re.compile(r"restart \d+ -> \d+: cause=|raised; restarting all ranks")
 
 
 def _cli_text(capsys, *args: str) -> str:
@@ -49,8 +49,9 @@ def test_recovered_then_completed_is_completed_not_stop(capsys):
 
 
 def test_without_the_restart_record_the_same_fault_is_the_failure(write_log):
-    """The Wrapper's restart record is what makes the fault recovered: the same log without it
-    ends in the exception (STOP), as it did before the record was read."""
+    """The Wrapper's lines are what make the fault recovered: the same log without them (its
+    restart record, its warning) ends in the exception (STOP), as it did before they were
+    read."""
     lines = (RUNS / "inprocess_recovered_completed.log").read_text().splitlines(keepends=True)
     kept = [ln for ln in lines if not _RESTART_LINE.search(ln) and "call completed" not in ln]
     r = analyze_logs([write_log("".join(kept))], job_ended=True)
@@ -68,6 +69,56 @@ def test_fault_after_the_last_restart_is_the_failure():
                    if ln == "vm:1: RuntimeError: injected fault at step 2"]
     assert r.evidence[0].line == last, r.evidence
     assert [(x["line"], x["ranks"]) for x in r.recovered] == [(first, [1])], r.recovered
+
+
+def test_warning_level_log_recovered_fault_is_not_the_failure():
+    """Logging left unconfigured: only the Wrapper's WARNING ("iteration 0 raised; restarting
+    all ranks:") and the traceback after it are printed. That traceback is the recovered fault;
+    the job went on (CONTINUE while running; never STOP)."""
+    log = str(RUNS / "inprocess_warning_level_recovered.log")
+    running = analyze_logs([log])
+    assert (running.primary_category, running.decision) == ("in_progress", "CONTINUE")
+    ended = analyze_logs([log], job_ended=True)
+    assert ended.decision != "STOP" and ended.primary_category == "unknown", ended.reason
+    assert [(x["category"], x["ranks"], x["iteration"]) for x in ended.recovered] == \
+        [("code_exception", [1], 0)], ended.recovered
+
+
+def test_warning_level_retry_limit_revokes_the_announced_restart():
+    """The warning announces a restart; the retry limit's RestartAbort says it did not happen:
+    iteration 1's fault is the failure again (iteration 0's stays recovered, since iteration 1's
+    warning shows that restart happened)."""
+    log = RUNS / "inprocess_warning_level_retry_limit.log"
+    r = analyze_logs([str(log)], job_ended=True)
+    assert (r.primary_category, r.decision, r.culprit_ranks) == ("code_exception", "STOP", [1])
+    first, last = [i + 1 for i, ln in enumerate(log.read_text().splitlines())
+                   if ln == "vm:1: RuntimeError: injected fault at step 2"]
+    assert r.evidence[0].line == last, r.evidence
+    assert [(x["line"], x["iteration"]) for x in r.recovered] == [(first, 0)], r.recovered
+
+
+def test_caught_traceback_spans_a_chained_exception(write_log):
+    """A caught traceback with a chained exception is one recovered fault; a separate traceback
+    from the same rank afterwards (not announced by the Wrapper) is not."""
+    caught = ("[rank1]: trainguard: rank 1 (initial rank 1) iteration 0 raised; restarting all "
+              "ranks:\n[rank1]: Traceback (most recent call last):\n"
+              "[rank1]:   File \"train.py\", line 3, in step\n"
+              "[rank1]: ValueError: bad shard\n[rank1]: \n"
+              "[rank1]: The above exception was the direct cause of the following exception:\n"
+              "[rank1]: \n[rank1]: Traceback (most recent call last):\n"
+              "[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered\n"
+              "[rank1]: \n")
+    later = "[rank1]: Traceback (most recent call last):\n[rank1]: KeyError: 'labels'\n"
+    r = analyze_logs([write_log(caught)])
+    assert (r.primary_category, r.decision) == ("in_progress", "CONTINUE"), r.reason
+    assert len(r.recovered) == 1 and r.recovered[0]["ranks"] == [1], r.recovered
+    unchained = caught.replace("The above exception was the direct cause of the following "
+                               "exception:", "")  # the second traceback is then a new one
+    r = analyze_logs([write_log(unchained)])
+    assert r.primary_category == "framework_crash", r.reason
+    r = analyze_logs([write_log(caught + later)])
+    assert (r.primary_category, r.culprit_ranks) == ("code_exception", [1]), r.reason
+    assert "KeyError" in r.evidence[0].text, r.evidence
 
 
 def test_recovered_rank_is_not_a_later_failures_culprit(write_log):

@@ -54,6 +54,7 @@ _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
 _MAX_RECOVERIES = 64  # in-process restarts kept (later ones are counted only)
 _RECOVERED_KEEP = 32  # failure lines kept per in-process restart
+_CAUGHT_SPAN = 400  # lines after the Wrapper's "raised; restarting" warning its traceback may span
 #: lines after a failure record's host field (Ray's ``ip:``) within which the first failure line
 #: is taken as the record's reason (room for a few unrelated lines interleaved by other processes)
 _RECORD_SPAN = 12
@@ -131,6 +132,9 @@ class Recovery:
     cause: str | None
     ranks: set[int] = field(default_factory=set)
     faults: list[Match] = field(default_factory=list)
+    #: a restart record (or a later iteration's warning, or the call's completion) shows the
+    #: restart happened; a warning alone is revoked when the rank then leaves the restart loop
+    confirmed: bool = True
 
 
 @dataclass
@@ -204,6 +208,10 @@ class ScanState:
     #: (file, line) of the last in-process restart record or completion line: the job went on
     last_resume: tuple[int, int] | None = None
     pending: _Bucket = field(default_factory=_Bucket)
+    #: the traceback a rank prints with inprocess.Wrapper's "iteration N raised; restarting all
+    #: ranks:" warning, by printer (file, context): the recovery it belongs to, the warning's
+    #: line, and whether its exception line has been seen (a chained exception reopens it)
+    caught: dict[tuple[int, LineContext], list] = field(default_factory=dict)
 
     def add(self, m: Match) -> None:
         pid = m.pattern.id
@@ -216,6 +224,7 @@ class ScanState:
 
     def flush_pending(self) -> None:
         """The current file ended: its failure lines since its last in-process restart stand."""
+        self.caught.clear()
         p = self.pending
         for pid, n in p.counts.items():
             self.counts[pid] += n
@@ -228,23 +237,67 @@ class ScanState:
                 who.add(key)
         p.clear()
 
-    def recover(self, rec: Recovery) -> None:
+    def recover(self, rec: Recovery, take_pending: bool = True) -> Recovery:
         """An in-process restart record: the failure lines pending in this file were recovered
-        from; another rank's record of the same restart (same iteration) joins the last one."""
-        faults = sorted((m for ms in self.pending.matches.values() for m in ms),
-                        key=lambda m: m.order)[:_RECOVERED_KEEP]
-        self.pending.clear()
+        from (``take_pending``); another rank's record of the same restart (same iteration)
+        joins the last one. Returns the recovery the record joined."""
+        faults: list[Match] = []
+        if take_pending:
+            faults = sorted((m for ms in self.pending.matches.values() for m in ms),
+                            key=lambda m: m.order)[:_RECOVERED_KEEP]
+            self.pending.clear()
         self.last_resume = rec.order
+        for prev in self.recoveries:  # a later iteration's record: the earlier ones restarted
+            if prev.order[0] == rec.order[0] and rec.iteration is not None and \
+                    prev.iteration is not None and prev.iteration < rec.iteration:
+                prev.confirmed = True
         last = self.recoveries[-1] if self.recoveries else None
         if last is not None and rec.iteration is not None and last.iteration == rec.iteration \
                 and last.order[0] == rec.order[0]:
             last.ranks |= rec.ranks
             last.faults = (last.faults + faults)[:_RECOVERED_KEEP]
-            return
+            last.confirmed = last.confirmed or rec.confirmed
+            return last
         self.recovery_count += 1
+        rec.faults = faults
         if len(self.recoveries) < _MAX_RECOVERIES:
-            rec.faults = faults
             self.recoveries.append(rec)
+        return rec
+
+    def give_up(self, file: int) -> None:
+        """A rank left the restart loop (the Wrapper's ``RestartAbort``): the last restart this
+        file only announced (a warning, no record that it happened) did not happen -- its
+        fault stands."""
+        last = self.recoveries[-1] if self.recoveries else None
+        if last is None or last.confirmed or last.order[0] != file:
+            return
+        self.recoveries.pop()
+        self.recovery_count -= 1
+        for m in last.faults:
+            self.pending.add(m)
+        self.caught = {k: w for k, w in self.caught.items() if w[0] is not last}
+
+    def confirm_all(self) -> None:
+        """The wrapped call completed: every restart before it happened."""
+        for rec in self.recoveries:
+            rec.confirmed = True
+
+    def catch(self, m: Match, body: str) -> bool:
+        """``m`` belongs to a traceback the Wrapper printed as caught (see ``caught``): add it
+        to that recovery and return True. The traceback ends at its exception line (a line at
+        column 0), unless a chained exception follows (``The above exception ...``)."""
+        key = (m.file, m.ctx)
+        win = self.caught.get(key)
+        if win is None:
+            return False
+        rec, opened, ended = win
+        if ended or m.line - opened > _CAUGHT_SPAN:
+            del self.caught[key]
+            return False
+        if len(rec.faults) < _RECOVERED_KEEP:
+            rec.faults.append(m)
+        win[2] = not body[:1].isspace()
+        return True
 
 
 def _decode(raw: bytes, state: ScanState, name: str) -> str:
@@ -392,8 +445,11 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             continue  # the only condition so far: "loaded_checkpoint"
         if pat.role in ("benign", "teardown"):
             quiet = True
-            if pat.role == "teardown":
+            win = state.caught.get((pos[0], ctx))
+            if pat.role == "teardown" and win is None:  # a caught traceback ends nothing
                 state.last_teardown = pos
+            elif win is not None and m.groupdict().get("chain"):
+                win[2] = False  # a chained exception: its traceback continues
         elif pat.role == "exit":
             if best_exit is None or pat.priority > best_exit[0].priority:
                 best_exit = (pat, m.groupdict())
@@ -406,8 +462,9 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             _fact(pat, m.groupdict(), ctx, state, (pos, text[:_TEXT]))
             if pat.role == "completion":
                 state.add(Match(pat, pos[0], pos[1], text[:_TEXT], ctx, ()))
+                state.confirm_all()
             elif pat.role == "recovery":
-                _recovery(pat, m.groupdict(), pos, text, state)
+                _recovery(pat, m.groupdict(), pos, (text, ctx), state)
     if ctx.rank is not None and len(state.ranks_seen) < _MAX_KEYS:
         state.ranks_seen.add(ctx.rank)
         if ctx.node is not None and ctx.pid is None:  # "[node-01] [rank3]:", Ray "ip=... [Rank 3]"
@@ -416,7 +473,7 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
     if best_exit is not None:  # a launcher's exit report counts even inside a teardown line
         _record(best_exit, pos, text, ctx, level, state)
     if best is not None and not quiet:
-        _record(best, pos, text, ctx, level, state)
+        _record(best, pos, text, ctx, level, state, body)
 
 
 def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineContext:
@@ -437,14 +494,15 @@ def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineCo
 
 
 def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: LineContext,
-            level: str, state: ScanState) -> None:
+            level: str, state: ScanState, body: str = "") -> None:
     pat, groups = found
     if pat.role != "exit":
         ctx = _subject(pos, ctx, state)
     kept = tuple((k, v) for k, v in groups.items() if v is not None)
     match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept, level)
     if pat.role in _FAILURE_ROLES:  # stands unless an in-process restart record follows
-        state.pending.add(match)
+        if not state.catch(match, body):
+            state.pending.add(match)
     else:
         state.add(match)
     _side_facts(match, state)
@@ -452,15 +510,26 @@ def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: L
         _exit_event(match, state)
 
 
-def _recovery(pat: Pattern, groups: dict[str, str | None], pos: tuple[int, int], text: str,
-              state: ScanState) -> None:
+def _recovery(pat: Pattern, groups: dict[str, str | None], pos: tuple[int, int],
+              line: tuple[str, LineContext], state: ScanState) -> None:
     """An in-process restart record: what failed before it in this file was recovered from,
-    and a teardown line (the fault's traceback) before it did not end the job."""
+    and a teardown line (the fault's traceback) before it did not end the job. A record with a
+    ``caught`` group (the Wrapper's "iteration N raised; restarting all ranks:" warning, the one
+    line it prints at the default WARNING level) is about the traceback that follows it from the
+    same printer instead."""
+    text, ctx = line
+    if groups.get("gave_up"):
+        state.give_up(pos[0])
+        return
     ranks = {int(r) for r in (groups.get("ranks") or "").replace(",", " ").split() if r.isdigit()}
     it = groups.get("iteration")
-    state.recover(Recovery(pos, text[:_TEXT], pat.id, int(it) if it else None,
-                           groups.get("cause"), ranks))
-    if state.last_teardown is not None and state.last_teardown[0] == pos[0]:
+    caught = bool(groups.get("caught"))
+    rec = state.recover(Recovery(pos, text[:_TEXT], pat.id, int(it) if it else None,
+                                 groups.get("cause") or ("exception" if caught else None),
+                                 ranks, confirmed=not caught), take_pending=not caught)
+    if caught:
+        state.caught[(pos[0], ctx)] = [rec, pos[1], False]
+    elif state.last_teardown is not None and state.last_teardown[0] == pos[0]:
         state.last_teardown = None
 
 

@@ -26,8 +26,16 @@ Selection, first that applies:
 5. a teardown line (ChildFailedError, ActorDiedError, a step being terminated, a Python
    traceback) with no progress after it: ``unknown`` -- a job being torn down is never
    ``in_progress``;
-6. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
+6. progress lines, or an in-process restart record: ``in_progress`` (or ``unknown`` when the
+   caller says the job ended);
 7. ``unknown``.
+
+Failure lines followed in their file by an in-process restart record (``inprocess.Wrapper``'s
+``restart N -> N+1``, NVRx's nested-restarter line) never take part: the scan sets them apart as
+recovered, and the result lists them (``recovered``). A run that recovered and then completed is
+``completed`` with decision CONTINUE (nothing to do), not the ``completed`` policy's STOP. A
+verdict that rests on a process killed by a signal names the ranks killed that way (the exit
+reports' ranks, even for ``unknown``, which otherwise names no rank) and the signal.
 
 Culprit nodes come from the primary's lines (prefixes, named groups, the host of a failure record
 such as Ray's actor record). A fault on a node (a category whose decision excludes nodes) that
@@ -148,9 +156,12 @@ def _select(state: ScanState, ev: _Evidence,
                                "runtime's failure report) and nothing in it says why")
     if state.last_progress is not None and not job_ended:
         return "in_progress", [], "training progress is logged and nothing has failed"
-    if state.recoveries and not job_ended:
-        return "in_progress", [], ("the job restarted in-process after its fault(s) and nothing "
-                                   "has failed since")
+    if state.recoveries:
+        if not job_ended:
+            return "in_progress", [], ("the job restarted in-process after its fault(s) and "
+                                       "nothing has failed since")
+        return "unknown", [], ("the job restarted in-process after its fault(s) and nothing has "
+                               "failed since, but the log does not say it completed")
     return "unknown", [], "no failure or progress evidence in the log"
 
 
