@@ -228,8 +228,8 @@ class ScanState:
         p = self.pending
         for pid, n in p.counts.items():
             self.counts[pid] += n
-            kept = self.matches[pid]
-            kept.extend(p.matches[pid][: max(0, _KEEP - len(kept))])
+            kept = self.matches[pid]  # (a revoked recovery's lines rejoin out of order)
+            kept.extend(sorted(p.matches[pid], key=lambda m: m.order)[: max(0, _KEEP - len(kept))])
             who = self.who[pid]
             for key in p.who[pid]:
                 if len(who) >= _MAX_KEYS:
