@@ -137,6 +137,19 @@ class Recovery:
     confirmed: bool = True
 
 
+def _keep(m: Match, matches: dict[str, list[Match]], counts: dict[str, int],
+          who: dict[str, set]) -> None:
+    """Count ``m`` and keep it (at most ``_KEEP`` per pattern) and who printed it (at most
+    ``_MAX_KEYS`` per pattern)."""
+    pid = m.pattern.id
+    counts[pid] += 1
+    if len(matches[pid]) < _KEEP:
+        matches[pid].append(m)
+    printers = who[pid]
+    if len(printers) < _MAX_KEYS:
+        printers.add((m.ctx, m.groups))
+
+
 @dataclass
 class _Bucket:
     """Failure matches of the current file since its last in-process restart record, with the
@@ -147,13 +160,7 @@ class _Bucket:
     who: dict[str, set] = field(default_factory=lambda: defaultdict(set))
 
     def add(self, m: Match) -> None:
-        pid = m.pattern.id
-        self.counts[pid] += 1
-        if len(self.matches[pid]) < _KEEP:
-            self.matches[pid].append(m)
-        who = self.who[pid]
-        if len(who) < _MAX_KEYS:
-            who.add((m.ctx, m.groups))
+        _keep(m, self.matches, self.counts, self.who)
 
     def clear(self) -> None:
         self.matches.clear()
@@ -205,8 +212,6 @@ class ScanState:
     #: in-process restarts, in log order (at most ``_MAX_RECOVERIES``; ``recovery_count`` all)
     recoveries: list[Recovery] = field(default_factory=list)
     recovery_count: int = 0
-    #: (file, line) of the last in-process restart record or completion line: the job went on
-    last_resume: tuple[int, int] | None = None
     pending: _Bucket = field(default_factory=_Bucket)
     #: the traceback a rank prints with inprocess.Wrapper's "iteration N raised; restarting all
     #: ranks:" warning, by printer (file, context): the recovery it belongs to, the warning's
@@ -214,13 +219,7 @@ class ScanState:
     caught: dict[tuple[int, LineContext], list] = field(default_factory=dict)
 
     def add(self, m: Match) -> None:
-        pid = m.pattern.id
-        self.counts[pid] += 1
-        if len(self.matches[pid]) < _KEEP:
-            self.matches[pid].append(m)
-        who = self.who[pid]
-        if len(who) < _MAX_KEYS:
-            who.add((m.ctx, m.groups))
+        _keep(m, self.matches, self.counts, self.who)
 
     def flush_pending(self) -> None:
         """The current file ended: its failure lines since its last in-process restart stand."""
@@ -246,7 +245,6 @@ class ScanState:
             faults = sorted((m for ms in self.pending.matches.values() for m in ms),
                             key=lambda m: m.order)[:_RECOVERED_KEEP]
             self.pending.clear()
-        self.last_resume = rec.order
         for prev in self.recoveries:  # a later iteration's record: the earlier ones restarted
             if prev.order[0] == rec.order[0] and rec.iteration is not None and \
                     prev.iteration is not None and prev.iteration < rec.iteration:
