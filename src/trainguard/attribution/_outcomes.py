@@ -6,8 +6,9 @@ in-process restart recovered from. Read by the verdict, reported as ``failed_exi
   signal 9") and ``137`` (a shell's or ``srun``'s 128 + 9) are both ``SIGKILL``.
 * A recovered fault is a failure line followed, in the same file, by an in-process restart
   record (``trainguard.inprocess.Wrapper``'s ``restart 0 -> 1: cause=exception ranks=[1]``, NVRx's
-  ``[NestedRestarter] ... state=handling stage=completed``): the job went on after it, so it is
-  reported as recovered, never as the job's failure.
+  ``[NestedRestarter] ... state=handling stage=completed``), or the traceback printed with the
+  Wrapper's ``iteration N raised; restarting all ranks:`` warning (see ``_scan``): the job went
+  on after it, so it is reported as recovered, never as the job's failure.
 """
 
 from __future__ import annotations

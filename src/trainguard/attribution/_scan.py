@@ -13,6 +13,15 @@ shows being loaded (a row may require its ``path`` to lie inside one: ``within:
 loaded_checkpoint``), and the host of an open failure record (Ray's ``ip:``), which the record's
 reason line is about.
 
+In-process restarts (see :class:`Recovery`): failure lines wait in a per-file bucket; an
+in-process restart record (``inprocess.Wrapper``'s ``restart N -> N+1: cause=...``, NVRx's
+nested-restarter line) moves them to that recovery, the end of the file makes them stand. The
+Wrapper's WARNING ``iteration N raised; restarting all ranks:`` (its one line at the default log
+level) announces a recovery: the traceback after it from the same printer is that fault (a
+chained exception included); a later record of the same or a higher iteration, or the call's
+completion, confirms it, and a rank leaving the restart loop (``RestartAbort``) before that
+revokes it, so its fault stands.
+
 A torchelastic error file (``error.json``, see ``_errfile``) is read as the traceback it records.
 The first 64 KiB of each file are sniffed: NUL bytes are an error (binary), and more than 10%
 undecodable or control characters make a warning and mark the file as not text.
