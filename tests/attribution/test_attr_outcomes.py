@@ -164,6 +164,17 @@ def test_launch_sigkill_names_signal_and_rank(capsys):
     assert "ranks: [1]" in text and "killed by SIGKILL" in text, text
 
 
+def test_launch_console_sigkill_is_the_same_verdict_as_its_cycle_log():
+    """The launcher's console (what a user pipes to a file) says the same as its cycle log: its
+    root-cause line names a signal the launcher did not send; its own verdict line (quoting an
+    earlier analysis) is no evidence."""
+    out = analyze([str(RUNS / "launch_sigkill_outside_console.log")], job_ended=True)
+    assert (out["primary_category"], out["decision"], out["culprit_ranks"]) == \
+        ("unknown", "RESTART", [1]), out
+    assert [(e["rank"], e["signal"], e["sender"]) for e in out["failed_exits"]] == \
+        [(1, "SIGKILL", "outside")], out["failed_exits"]
+
+
 def test_torchrun_sigkill_names_signal_and_rank_once():
     """torchrun reports the death twice (its "failed (exitcode: -9)" line and its record): one
     failed exit, on the record's host; SIGKILL and the rank in the reason."""

@@ -554,7 +554,11 @@ def _exit_event(m: Match, state: ScanState) -> None:
     if code == 0 or len(state.exits) >= _MAX_EXITS:
         return
     num = {k: int(g[k]) for k in ("rank", "task", "local_rank", "pid") if g.get(k)}
+    if "rank" not in num and g.get("rank2"):  # a row with two wordings names the rank twice
+        num["rank"] = int(g["rank2"])
     sender = g.get("sender")
+    if sender is None and "outside" in g:  # the row's wording means "not the launcher"
+        sender = "outside"
     state.exits.append(ExitEvent(m.order, code, m.pattern.id, num.get("rank"), num.get("task"),
                                  num.get("local_rank"), num.get("pid"),
                                  g.get("node") or m.ctx.node,
