@@ -6,7 +6,7 @@
    and no bare ``None`` in the text output;
 3. torchelastic's JSON error file (``error.json``) is read as the traceback it records.
 
-The logs are real runs (``tests/data/attribution/runs/README.md``); variants are cut from them.
+The logs are real runs (``tests/data/attribution/real_runs/README.md``); variants are cut from them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from trainguard.attribution import analyze
 from trainguard.attribution._analyze import analyze_logs
 from trainguard.cli import main
 
-RUNS = DATA / "runs"
+RUNS = DATA / "real_runs"
 _RESTART_LINE = re.compile(r"restart \d+ -> \d+: cause=|raised; restarting all ranks")
 
 
