@@ -1,7 +1,7 @@
 """Three kinds a new user's check of ``trainguard analyze`` found, each fixed at its root:
 
 1. a fault that ``inprocess.Wrapper`` recovered from in-process is reported as recovered, never
-   as the job's failure (a recovered-then-completed log is not STOP);
+   as the job's failure (a recovered-then-completed log is ``completed``, its STOP saying nothing is left to do);
 2. a rank killed by a signal from outside (``kill -9``, the OOM killer) is named: signal, rank,
    and no bare ``None`` in the text output;
 3. torchelastic's JSON error file (``error.json``) is read as the traceback it records.
@@ -31,11 +31,12 @@ def _cli_text(capsys, *args: str) -> str:
 
 
 # ------------------------------------------------------------ 1. recovered in-process
-def test_recovered_then_completed_is_completed_not_stop(capsys):
+def test_recovered_then_completed_is_completed_and_names_the_recovery(capsys):
     log = str(RUNS / "inprocess_recovered_completed.log")
     for ended in (False, True):  # the CLI's default and the launcher's job_ended=True
         out = analyze([log], job_ended=ended)
-        assert (out["primary_category"], out["decision"]) == ("completed", "CONTINUE"), out
+        assert (out["primary_category"], out["decision"]) == ("completed", "STOP"), out
+        assert "nothing left to do" in out["reason"] and out["recovered"], out
         assert out["culprit_ranks"] is None, out
         rec = out["recovered"]
         assert len(rec) == 1, rec
@@ -45,7 +46,7 @@ def test_recovered_then_completed_is_completed_not_stop(capsys):
         assert "recovered 1 fault(s)" in out["reason"], out["reason"]
     text = _cli_text(capsys, log)
     assert "recovered in-process: code_exception on rank(s) [1] (restart 0 -> 1)" in text, text
-    assert "Decision: CONTINUE" in text and "None" not in text, text
+    assert "Decision: STOP" in text and "None" not in text, text
 
 
 def test_without_the_restart_record_the_same_fault_is_the_failure(write_log):
@@ -141,7 +142,8 @@ def test_nvrx_nested_restarter_lines_are_recovery_and_completion(write_log):
     handled = "[rank0]: [NestedRestarter] name=[InProcess] state=handling stage=completed\n"
     done = "[rank0]: [NestedRestarter] name=[InProcess] state=finalized\n"
     r = analyze_logs([write_log(head + handled + done)], job_ended=True)
-    assert (r.primary_category, r.decision) == ("completed", "CONTINUE"), r.reason
+    assert (r.primary_category, r.decision) == ("completed", "STOP"), r.reason
+    assert r.recovered and "nothing left to do" in r.basis, r.basis
     assert [(x["category"], x["ranks"]) for x in r.recovered] == [("cuda_oom", [2])]
     running = analyze_logs([write_log(head + handled)])  # restarted, not finished yet
     assert (running.primary_category, running.decision) == ("in_progress", "CONTINUE")

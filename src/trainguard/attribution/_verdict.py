@@ -392,12 +392,16 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
 def _after_recovery(state: ScanState, res: Resolution, category: str, decision: str,
                     basis: str) -> tuple[list[dict], str, str]:
     """The faults an in-process restart recovered from (reported, never the primary), and the
-    decision: a run that restarted in-process and then completed is not stopped -- CONTINUE
-    (nothing to do; the job finished), not the ``completed`` policy's STOP, which would read as
-    "the fault is fatal"."""
+    decision: a run that restarted in-process and then completed is ``completed`` like any
+    finished run (STOP: there is nothing left to do, per the logs README), its basis saying
+    that the faults were recovered, so the STOP never reads as "the fault is fatal"."""
     fixed = recovered(state, res)
     if not fixed:
         return fixed, decision, basis
+    basis += "; " + recovered_note(fixed, state.recovery_count)
+    if category == "completed":
+        basis += " -- the wrapped call then completed: nothing left to do"
+    return fixed, decision, basis
     basis += "; " + recovered_note(fixed, state.recovery_count)
     if category == "completed" and decision == "STOP":
         decision = "CONTINUE"
