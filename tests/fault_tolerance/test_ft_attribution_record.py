@@ -28,3 +28,30 @@ def test_rank1_exception_is_attributed_code_exception_stop(tmp_path, launch):
     assert verdict, run
     assert "STOP" in verdict[0] and "code_exception" in verdict[0], verdict
     assert "on rank(s) 1 " in verdict[0], verdict
+
+
+#: rank 1 is SIGKILLed by a process other than the launcher (here itself: the launcher and its
+#: monitors sent nothing), as ``kill -9`` from a shell or the OOM killer would
+_KILLED = """\
+import os, signal, time
+rank = int(os.environ["RANK"])
+print(f"step 1 done on rank {rank}", flush=True)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def test_outside_sigkill_is_attributed_with_signal_and_rank(tmp_path, launch):
+    """The verdict the launcher logs for the cycle names the signal and the rank (it was
+    ``unknown (unknown)`` with no rank), and a restart is the policy for a kill from outside."""
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    run = launch("--nproc-per-node", "2", "--max-restarts", "0", str(script), timeout=60)
+    assert run.rc != 0, run
+    log = run.cycle_log(0)
+    assert "rank 1 killed by signal 9 (SIGKILL) from outside the launcher" in log, log
+    verdict = [ln for ln in run.err.splitlines() if "cycle 0 attribution:" in ln]
+    assert verdict, run
+    assert "RESTART" in verdict[0] and "on rank(s) 1 " in verdict[0], verdict
+    assert "rank 1 killed by SIGKILL" in verdict[0], verdict

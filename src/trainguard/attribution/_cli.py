@@ -134,9 +134,9 @@ def _print_report(out: dict[str, Any]) -> None:
                   f"([italic]{out['failure_domain']}[/italic]), confidence {out['confidence']}")
         hosts = out.get("culprit_hosts")
         if out["culprit_ranks"] or out["culprit_nodes"] or hosts:
-            nodes = out["culprit_nodes"] or (f"{hosts} (where it ran; not at fault)" if hosts
-                                             else None)
-            con.print(f"  ranks: {out['culprit_ranks']}  nodes: {escape(str(nodes))}")
+            nodes = _listed(out["culprit_nodes"]) if out["culprit_nodes"] else \
+                f"{_listed(hosts)} (where it ran; not at fault)" if hosts else "unknown"
+            con.print(f"  ranks: {_listed(out['culprit_ranks'])}  nodes: {escape(nodes)}")
         if out["evidence"]:
             table = Table("file:line", "role", "text", show_lines=False)
             for ev in out["evidence"]:
@@ -145,18 +145,63 @@ def _print_report(out: dict[str, Any]) -> None:
             con.print(table)
         for c in out["cascades"]:
             con.print(f"  cascade: {c['category']} x{c['count']} on ranks {c['ranks']}")
-        prog = out["progress"]
-        con.print(f"  progress: last step {prog['last_step']}, checkpoint saved "
-                  f"{prog['checkpoint_saved']} (step {prog['last_checkpoint_step']})")
+        for ex in out.get("failed_exits", ())[:4]:
+            con.print(f"  exit: {escape(_exit_words(ex))}")
+        for rec in out.get("recovered", ())[:4]:
+            con.print(f"  recovered in-process: {escape(_recovered_words(rec))}")
+        con.print(f"  progress: {_progress_words(out['progress'])}")
     fr = out.get("flight_recorder")
     if fr:
         stuck = fr["first_stuck"] or {}
-        con.print(f"[bold]Flight recorder:[/bold] faulty ranks {fr['faulty_ranks']} "
-                  f"(never joined {fr['missing_ranks']}, joined but not completed "
-                  f"{fr['incomplete_ranks']}); first stuck: {stuck.get('op')} seq "
-                  f"{stuck.get('collective_seq_id')} in {stuck.get('pg_desc')} "
-                  f"(pg {stuck.get('pg_name')}); {len(fr['mismatches'])} mismatch(es)")
+        first = (f"{_word(stuck.get('op'))} seq {_word(stuck.get('collective_seq_id'))} in "
+                 f"{_word(stuck.get('pg_desc'))} (pg {_word(stuck.get('pg_name'))})"
+                 if stuck else "none")
+        con.print(f"[bold]Flight recorder:[/bold] faulty ranks {_listed(fr['faulty_ranks'])} "
+                  f"(never joined {_listed(fr['missing_ranks'])}, joined but not completed "
+                  f"{_listed(fr['incomplete_ranks'])}); first stuck: {escape(first)}; "
+                  f"{len(fr['mismatches'])} mismatch(es)")
     con.print(f"[bold]Decision:[/bold] {out['decision'] or 'none'} - {escape(out['reason'])}")
+
+
+def _word(value: Any) -> str:
+    """A value for a sentence: ``unknown`` in words, never a bare ``None``."""
+    return "unknown" if value is None else str(value)
+
+
+def _listed(values: Any) -> str:
+    """A list as ``[1, 3]``; ``unknown`` in words for ``None`` (never a bare ``None``)."""
+    return "unknown" if values is None else str(list(values))
+
+
+def _progress_words(prog: dict[str, Any]) -> str:
+    step = prog.get("last_step")
+    text = f"last step {step}" if step is not None else "no training step logged"
+    if prog.get("checkpoint_saved"):
+        ck = prog.get("last_checkpoint_step")
+        return text + (f", checkpoint saved at step {ck}" if ck is not None
+                       else ", a checkpoint was saved (step not logged)")
+    return text + ", no checkpoint saved"
+
+
+def _exit_words(ex: dict[str, Any]) -> str:
+    """``rank 1 killed by SIGKILL (exit -9) from outside the launcher on vm``."""
+    who = f"rank {ex['rank']}" if ex.get("rank") is not None else \
+        f"local rank {ex['local_rank']}" if ex.get("local_rank") is not None else \
+        "a process (rank not named)"
+    what = f"killed by {ex['signal']} (exit code {ex['code']})" if ex.get("signal") \
+        else f"exited with code {ex['code']}"
+    sender = {"outside": " from outside the launcher", "launcher": " by the launcher"}.get(
+        ex.get("sender") or "", "")
+    node = f" on {ex['node']}" if ex.get("node") else ""
+    return f"{who} {what}{sender}{node}"
+
+
+def _recovered_words(rec: dict[str, Any]) -> str:
+    what = rec.get("category") or rec.get("cause") or "a fault"
+    ranks = f" on rank(s) {_listed(rec['ranks'])}" if rec.get("ranks") else ""
+    it = rec.get("iteration")
+    step = f" (restart {it} -> {it + 1})" if it is not None else ""
+    return f"{what}{ranks}{step} at {os.path.basename(rec['file'])}:{rec['line']}"
 
 
 def _keys(args) -> list[str]:

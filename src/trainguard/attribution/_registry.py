@@ -27,7 +27,7 @@ CATEGORIES = (
     "completed", "in_progress", "unknown",
 )
 _ROLES = {"root", "confirmation", "cascade", "exit", "benign", "teardown", "diagnostic",
-          "identity", "checkpoint", "completion", "launcher"}
+          "identity", "checkpoint", "completion", "launcher", "recovery"}
 _DOMAINS = {"workload", "infrastructure", "unknown", "none"}
 _DECISIONS = {"RESTART", "RESTART_EXCLUDE_NODES", "STOP", "CONTINUE"}
 _WITHIN = {"loaded_checkpoint"}

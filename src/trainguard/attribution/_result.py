@@ -14,6 +14,9 @@ _RECOMMEND = {
     "CONTINUE": "Nothing to do: the job is still making progress.",
 }
 
+_RECOVERED_DONE = ("Nothing to do: the job recovered in-process from its fault(s) and finished; "
+                   "look at the recovered faults if they recur.")
+
 
 @dataclass(frozen=True)
 class Evidence:
@@ -78,6 +81,11 @@ class AnalysisResult:
     #: node-03``, a ``[node-01] [rank3]:`` prefix); unlike ``culprit_nodes`` not a verdict against
     #: those hosts (a code exception on node-03 is not node-03's fault)
     culprit_hosts: list[str] | None = None
+    #: every failed process exit the launchers report (rank, code, signal name, sender, node)
+    failed_exits: list[dict[str, Any]] = field(default_factory=list)
+    #: faults an in-process restart recovered from (iteration, cause, ranks, category, line);
+    #: reported here, never as the primary failure
+    recovered: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.reason:
@@ -89,6 +97,9 @@ class AnalysisResult:
 
     @property
     def recommendation(self) -> str:
+        if self.recovered and self.primary_category == "completed" and \
+                self.decision == "CONTINUE":
+            return _RECOVERED_DONE
         return _RECOMMEND[self.decision]
 
     def describe(self) -> str:
@@ -121,6 +132,7 @@ class AnalysisResult:
             "files": self.files, "warnings": self.warnings,
             "flagged_inputs": self.flagged_inputs,
             "bytes_read": self.bytes_read, "lines": self.lines,
+            "failed_exits": self.failed_exits, "recovered": self.recovered,
         }
         if self.flight_recorder is not None:
             out["flight_recorder"] = self.flight_recorder

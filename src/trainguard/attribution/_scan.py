@@ -13,6 +13,16 @@ shows being loaded (a row may require its ``path`` to lie inside one: ``within:
 loaded_checkpoint``), and the host of an open failure record (Ray's ``ip:``), which the record's
 reason line is about.
 
+In-process restarts (see :class:`Recovery`): failure lines wait in a per-file bucket; an
+in-process restart record (``inprocess.Wrapper``'s ``restart N -> N+1: cause=...``, NVRx's
+nested-restarter line) moves them to that recovery, the end of the file makes them stand. The
+Wrapper's WARNING ``iteration N raised; restarting all ranks:`` (its one line at the default log
+level) announces a recovery: the traceback after it from the same printer is that fault (a
+chained exception included); a later record of the same or a higher iteration, or the call's
+completion, confirms it, and a rank leaving the restart loop (``RestartAbort``) before that
+revokes it, so its fault stands.
+
+A torchelastic error file (``error.json``, see ``_errfile``) is read as the traceback it records.
 The first 64 KiB of each file are sniffed: NUL bytes are an error (binary), and more than 10%
 undecodable or control characters make a warning and mark the file as not text.
 """
@@ -20,6 +30,7 @@ undecodable or control characters make a warning and mark the file as not text.
 from __future__ import annotations
 
 import codecs
+import io
 import os
 import posixpath
 from collections import defaultdict
@@ -32,10 +43,15 @@ except ImportError:  # pragma: no cover - the bytes.find fallback gives identica
     _ac = None  # type: ignore[assignment]
 
 from trainguard.attribution._context import LineContext, is_launcher_log, parse_prefix, severity
+from trainguard.attribution._errfile import (
+    MAX_ERROR_FILE_BYTES,
+    error_file_text,
+    looks_like_error_file,
+)
 from trainguard.attribution._registry import Pattern, Registry
 from trainguard.attribution.errors import LogInputError
 
-__all__ = ["ExitEvent", "Match", "ScanState", "scan_files"]
+__all__ = ["ExitEvent", "Match", "Recovery", "ScanState", "scan_files"]
 
 _CHUNK = 1 << 20
 _MAX_LINE = 1 << 16  # longer lines are split; their tail is matched as its own line
@@ -45,6 +61,9 @@ _MAX_KEYS = 4096
 _TEXT = 400
 _FAILURE_ROLES = {"root", "confirmation", "cascade", "diagnostic"}
 _MAX_EXITS = 256
+_MAX_RECOVERIES = 64  # in-process restarts kept (later ones are counted only)
+_RECOVERED_KEEP = 32  # failure lines kept per in-process restart
+_CAUGHT_SPAN = 400  # lines after the Wrapper's "raised; restarting" warning its traceback may span
 #: lines after a failure record's host field (Ray's ``ip:``) within which the first failure line
 #: is taken as the record's reason (room for a few unrelated lines interleaved by other processes)
 _RECORD_SPAN = 12
@@ -104,6 +123,61 @@ class ExitEvent:
 
 
 @dataclass
+class Recovery:
+    """An in-process restart the log records (``inprocess.Wrapper``'s ``restart N -> N+1:
+    cause=... ranks=[...]``, NVRx's ``[NestedRestarter] ... state=handling stage=completed``):
+    the failure lines printed in the same file since the previous one were recovered from.
+
+    ``iteration`` is the restart iteration that failed, ``cause`` and ``ranks`` what the restart
+    record says about the fault (``exception``, ``[1]``), ``faults`` the failure lines it recovered
+    from (the first :data:`_RECOVERED_KEEP`, in log order; empty when another rank's record of the
+    same restart already took them).
+    """
+
+    order: tuple[int, int]
+    text: str
+    pattern: str
+    iteration: int | None
+    cause: str | None
+    ranks: set[int] = field(default_factory=set)
+    faults: list[Match] = field(default_factory=list)
+    #: a restart record (or a later iteration's warning, or the call's completion) shows the
+    #: restart happened; a warning alone is revoked when the rank then leaves the restart loop
+    confirmed: bool = True
+
+
+def _keep(m: Match, matches: dict[str, list[Match]], counts: dict[str, int],
+          who: dict[str, set]) -> None:
+    """Count ``m`` and keep it (at most ``_KEEP`` per pattern) and who printed it (at most
+    ``_MAX_KEYS`` per pattern)."""
+    pid = m.pattern.id
+    counts[pid] += 1
+    if len(matches[pid]) < _KEEP:
+        matches[pid].append(m)
+    printers = who[pid]
+    if len(printers) < _MAX_KEYS:
+        printers.add((m.ctx, m.groups))
+
+
+@dataclass
+class _Bucket:
+    """Failure matches of the current file since its last in-process restart record, with the
+    same bounds as :class:`ScanState`'s own (they join it when the file ends without one)."""
+
+    matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    who: dict[str, set] = field(default_factory=lambda: defaultdict(set))
+
+    def add(self, m: Match) -> None:
+        _keep(m, self.matches, self.counts, self.who)
+
+    def clear(self) -> None:
+        self.matches.clear()
+        self.counts.clear()
+        self.who.clear()
+
+
+@dataclass
 class ScanState:
     """Everything the verdict needs, accumulated over all files."""
 
@@ -144,15 +218,93 @@ class ScanState:
     _record_rank: int | None = None
     _record_node: tuple[int, int, str] | None = None  # (file, line, host) of a record's subject
     _record_open: tuple[int, int] | None = None  # (file, line) of a record's first field
+    #: in-process restarts, in log order (at most ``_MAX_RECOVERIES``; ``recovery_count`` all)
+    recoveries: list[Recovery] = field(default_factory=list)
+    recovery_count: int = 0
+    pending: _Bucket = field(default_factory=_Bucket)
+    #: the traceback a rank prints with inprocess.Wrapper's "iteration N raised; restarting all
+    #: ranks:" warning, by printer (file, context): the recovery it belongs to, the warning's
+    #: line, and whether its exception line has been seen (a chained exception reopens it)
+    caught: dict[tuple[int, LineContext], list] = field(default_factory=dict)
 
     def add(self, m: Match) -> None:
-        pid = m.pattern.id
-        self.counts[pid] += 1
-        if len(self.matches[pid]) < _KEEP:
-            self.matches[pid].append(m)
-        who = self.who[pid]
-        if len(who) < _MAX_KEYS:
-            who.add((m.ctx, m.groups))
+        _keep(m, self.matches, self.counts, self.who)
+
+    def flush_pending(self) -> None:
+        """The current file ended: its failure lines since its last in-process restart stand."""
+        self.caught.clear()
+        p = self.pending
+        for pid, n in p.counts.items():
+            self.counts[pid] += n
+            kept = self.matches[pid]  # (a revoked recovery's lines rejoin out of order)
+            kept.extend(sorted(p.matches[pid], key=lambda m: m.order)[: max(0, _KEEP - len(kept))])
+            who = self.who[pid]
+            for key in p.who[pid]:
+                if len(who) >= _MAX_KEYS:
+                    break
+                who.add(key)
+        p.clear()
+
+    def recover(self, rec: Recovery, take_pending: bool = True) -> Recovery:
+        """An in-process restart record: the failure lines pending in this file were recovered
+        from (``take_pending``); another rank's record of the same restart (same iteration)
+        joins the last one. Returns the recovery the record joined."""
+        faults: list[Match] = []
+        if take_pending:
+            faults = sorted((m for ms in self.pending.matches.values() for m in ms),
+                            key=lambda m: m.order)[:_RECOVERED_KEEP]
+            self.pending.clear()
+        for prev in self.recoveries:  # a later iteration's record: the earlier ones restarted
+            if prev.order[0] == rec.order[0] and rec.iteration is not None and \
+                    prev.iteration is not None and prev.iteration < rec.iteration:
+                prev.confirmed = True
+        last = self.recoveries[-1] if self.recoveries else None
+        if last is not None and rec.iteration is not None and last.iteration == rec.iteration \
+                and last.order[0] == rec.order[0]:
+            last.ranks |= rec.ranks
+            last.faults = (last.faults + faults)[:_RECOVERED_KEEP]
+            last.confirmed = last.confirmed or rec.confirmed
+            return last
+        self.recovery_count += 1
+        rec.faults = faults
+        if len(self.recoveries) < _MAX_RECOVERIES:
+            self.recoveries.append(rec)
+        return rec
+
+    def give_up(self, file: int) -> None:
+        """A rank left the restart loop (the Wrapper's ``RestartAbort``): the last restart this
+        file only announced (a warning, no record that it happened) did not happen -- its
+        fault stands."""
+        last = self.recoveries[-1] if self.recoveries else None
+        if last is None or last.confirmed or last.order[0] != file:
+            return
+        self.recoveries.pop()
+        self.recovery_count -= 1
+        for m in last.faults:
+            self.pending.add(m)
+        self.caught = {k: w for k, w in self.caught.items() if w[0] is not last}
+
+    def confirm_all(self) -> None:
+        """The wrapped call completed: every restart before it happened."""
+        for rec in self.recoveries:
+            rec.confirmed = True
+
+    def catch(self, m: Match, body: str) -> bool:
+        """``m`` belongs to a traceback the Wrapper printed as caught (see ``caught``): add it
+        to that recovery and return True. The traceback ends at its exception line (a line at
+        column 0), unless a chained exception follows (``The above exception ...``)."""
+        key = (m.file, m.ctx)
+        win = self.caught.get(key)
+        if win is None:
+            return False
+        rec, opened, ended = win
+        if ended or m.line - opened > _CAUGHT_SPAN:
+            del self.caught[key]
+            return False
+        if len(rec.faults) < _RECOVERED_KEEP:
+            rec.faults.append(m)
+        win[2] = not body[:1].isspace()
+        return True
 
 
 def _decode(raw: bytes, state: ScanState, name: str) -> str:
@@ -300,8 +452,11 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             continue  # the only condition so far: "loaded_checkpoint"
         if pat.role in ("benign", "teardown"):
             quiet = True
-            if pat.role == "teardown":
+            win = state.caught.get((pos[0], ctx))
+            if pat.role == "teardown" and win is None:  # a caught traceback ends nothing
                 state.last_teardown = pos
+            elif win is not None and m.groupdict().get("chain"):
+                win[2] = False  # a chained exception: its traceback continues
         elif pat.role == "exit":
             if best_exit is None or pat.priority > best_exit[0].priority:
                 best_exit = (pat, m.groupdict())
@@ -314,6 +469,9 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
             _fact(pat, m.groupdict(), ctx, state, (pos, text[:_TEXT]))
             if pat.role == "completion":
                 state.add(Match(pat, pos[0], pos[1], text[:_TEXT], ctx, ()))
+                state.confirm_all()
+            elif pat.role == "recovery":
+                _recovery(pat, m.groupdict(), pos, (text, ctx), state)
     if ctx.rank is not None and len(state.ranks_seen) < _MAX_KEYS:
         state.ranks_seen.add(ctx.rank)
         if ctx.node is not None and ctx.pid is None:  # "[node-01] [rank3]:", Ray "ip=... [Rank 3]"
@@ -322,7 +480,7 @@ def _handle_line(raw: bytes, pos: tuple[int, int], reg: Registry, state: ScanSta
     if best_exit is not None:  # a launcher's exit report counts even inside a teardown line
         _record(best_exit, pos, text, ctx, level, state)
     if best is not None and not quiet:
-        _record(best, pos, text, ctx, level, state)
+        _record(best, pos, text, ctx, level, state, body)
 
 
 def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineContext:
@@ -343,16 +501,43 @@ def _subject(pos: tuple[int, int], ctx: LineContext, state: ScanState) -> LineCo
 
 
 def _record(found: tuple[Pattern, dict], pos: tuple[int, int], text: str, ctx: LineContext,
-            level: str, state: ScanState) -> None:
+            level: str, state: ScanState, body: str = "") -> None:
     pat, groups = found
     if pat.role != "exit":
         ctx = _subject(pos, ctx, state)
     kept = tuple((k, v) for k, v in groups.items() if v is not None)
     match = Match(pat, pos[0], pos[1], text[:_TEXT], ctx, kept, level)
-    state.add(match)
+    if pat.role in _FAILURE_ROLES:  # stands unless an in-process restart record follows
+        if not state.catch(match, body):
+            state.pending.add(match)
+    else:
+        state.add(match)
     _side_facts(match, state)
     if pat.role == "exit":
         _exit_event(match, state)
+
+
+def _recovery(pat: Pattern, groups: dict[str, str | None], pos: tuple[int, int],
+              line: tuple[str, LineContext], state: ScanState) -> None:
+    """An in-process restart record: what failed before it in this file was recovered from,
+    and a teardown line (the fault's traceback) before it did not end the job. A record with a
+    ``caught`` group (the Wrapper's "iteration N raised; restarting all ranks:" warning, the one
+    line it prints at the default WARNING level) is about the traceback that follows it from the
+    same printer instead."""
+    text, ctx = line
+    if groups.get("gave_up"):
+        state.give_up(pos[0])
+        return
+    ranks = {int(r) for r in (groups.get("ranks") or "").replace(",", " ").split() if r.isdigit()}
+    it = groups.get("iteration")
+    caught = bool(groups.get("caught"))
+    rec = state.recover(Recovery(pos, text[:_TEXT], pat.id, int(it) if it else None,
+                                 groups.get("cause") or ("exception" if caught else None),
+                                 ranks, confirmed=not caught), take_pending=not caught)
+    if caught:
+        state.caught[(pos[0], ctx)] = [rec, pos[1], False]
+    elif state.last_teardown is not None and state.last_teardown[0] == pos[0]:
+        state.last_teardown = None
 
 
 def _exit_event(m: Match, state: ScanState) -> None:
@@ -369,7 +554,11 @@ def _exit_event(m: Match, state: ScanState) -> None:
     if code == 0 or len(state.exits) >= _MAX_EXITS:
         return
     num = {k: int(g[k]) for k in ("rank", "task", "local_rank", "pid") if g.get(k)}
+    if "rank" not in num and g.get("rank2"):  # a row with two wordings names the rank twice
+        num["rank"] = int(g["rank2"])
     sender = g.get("sender")
+    if sender is None and "outside" in g:  # the row's wording means "not the launcher"
+        sender = "outside"
     state.exits.append(ExitEvent(m.order, code, m.pattern.id, num.get("rank"), num.get("task"),
                                  num.get("local_rank"), num.get("pid"),
                                  g.get("node") or m.ctx.node,
@@ -487,8 +676,22 @@ def _scan_file(path: str, file: int, reg: Registry, state: ScanState) -> None:
         if is_launcher_log(head[:16384].decode("utf-8", "replace")):
             state.launcher_files.add(file)
         fh.seek(0)
-        base = _read_blocks(fh, file, reg, state)
+        try:
+            base = _read_blocks(_error_file(fh, head) or fh, file, reg, state)
+        finally:
+            state.flush_pending()
         state.lines += base
+
+
+def _error_file(fh, head: bytes) -> io.BytesIO | None:
+    """The traceback a torchelastic error file (``error.json``) records, as a stream to scan
+    like a log (see ``_errfile``); ``None`` (``fh`` rewound) for anything else."""
+    if not looks_like_error_file(head):
+        return None
+    raw = fh.read(MAX_ERROR_FILE_BYTES + 1)
+    text = error_file_text(raw) if len(raw) <= MAX_ERROR_FILE_BYTES else None
+    fh.seek(0)
+    return io.BytesIO(text.encode("utf-8")) if text is not None else None
 
 
 def _read_blocks(fh, file: int, reg: Registry, state: ScanState) -> int:

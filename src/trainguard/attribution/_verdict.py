@@ -26,8 +26,16 @@ Selection, first that applies:
 5. a teardown line (ChildFailedError, ActorDiedError, a step being terminated, a Python
    traceback) with no progress after it: ``unknown`` -- a job being torn down is never
    ``in_progress``;
-6. progress lines: ``in_progress`` (or ``unknown`` when the caller says the job ended);
+6. progress lines, or an in-process restart record: ``in_progress`` (or ``unknown`` when the
+   caller says the job ended);
 7. ``unknown``.
+
+Failure lines followed in their file by an in-process restart record (``inprocess.Wrapper``'s
+``restart N -> N+1``, NVRx's nested-restarter line) never take part: the scan sets them apart as
+recovered, and the result lists them (``recovered``). A run that recovered and then completed is
+``completed`` with decision CONTINUE (nothing to do), not the ``completed`` policy's STOP. A
+verdict that rests on a process killed by a signal names the ranks killed that way (the exit
+reports' ranks, even for ``unknown``, which otherwise names no rank) and the signal.
 
 Culprit nodes come from the primary's lines (prefixes, named groups, the host of a failure record
 such as Ray's actor record). A fault on a node (a category whose decision excludes nodes) that
@@ -48,6 +56,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainguard.attribution._outcomes import (
+    describe_exit,
+    exit_ranks,
+    failed_exits,
+    recovered,
+    recovered_note,
+    signal_name,
+)
 from trainguard.attribution._registry import Registry
 from trainguard.attribution._resolve import Resolution, resolve
 from trainguard.attribution._result import AnalysisResult, Cascade, Evidence
@@ -58,6 +74,8 @@ __all__ = ["build_result"]
 _UNREADABLE = ("no input file looks like a text log (see warnings), so nothing could be "
                "attributed and no automatic restart should rest on it; check the log paths")
 _STRONG = 20.0
+_OOM_HINT = ("; a SIGKILL with no error printed is the host OOM killer's signature (a kill -9 from "
+             "outside looks the same: check the node's kernel log)")
 _CANCEL = "user_cancelled"
 _NATIVE = "framework_crash"  # a process's own view of a device fault it cannot name
 
@@ -121,8 +139,13 @@ def _select(state: ScanState, ev: _Evidence,
         exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
         sent = {"outside": ", its signal sent from outside the launcher",
                 "launcher": ", its signal sent by the launcher"}.get(first.sender or "", "")
-        return ev.reg.exit_category(first.code, first.sender) or "unknown", exits[:1], \
-            f"only a launcher's report of a failed process exit (code {first.code}{sent})"
+        ranks = sorted(exit_ranks(state, ev.res, ev.failed, first))
+        what = describe_exit(first, ranks)
+        category = ev.reg.exit_category(first.code, first.sender) or "unknown"
+        hint = _OOM_HINT if category == "host_oom" and signal_name(first.code) == "SIGKILL" \
+            else ""
+        return category, exits[:1], (f"only a launcher's report of a failed process exit "
+                                     f"({what}: code {first.code}{sent}){hint}")
     if state.exits:  # only terminations (SIGTERM): whatever ran is not running any more
         first = min(state.exits, key=lambda e: e.order)
         exits = [m for m in state.matches.get(first.source, ()) if m.order == first.order]
@@ -133,6 +156,12 @@ def _select(state: ScanState, ev: _Evidence,
                                "runtime's failure report) and nothing in it says why")
     if state.last_progress is not None and not job_ended:
         return "in_progress", [], "training progress is logged and nothing has failed"
+    if state.recoveries:
+        if not job_ended:
+            return "in_progress", [], ("the job restarted in-process after its fault(s) and "
+                                       "nothing has failed since")
+        return "unknown", [], ("the job restarted in-process after its fault(s) and nothing has "
+                               "failed since, but the log does not say it completed")
     return "unknown", [], "no failure or progress evidence in the log"
 
 
@@ -153,7 +182,15 @@ def _primary_ids(state: ScanState, category: str, chosen: list[Match]) -> list[s
 
 
 def _culprit_ranks(state: ScanState, reg: Registry, res: Resolution, failed: list[ExitEvent],
-                   category: str, ids: list[str]) -> list[int] | None:
+                   category: str, ids: list[str], chosen: list[Match]) -> list[int] | None:
+    first = [e for e in failed if chosen and chosen[0].pattern.role == "exit"
+             and e.order == chosen[0].order]
+    if first and signal_name(first[0].code) is not None:
+        # the verdict is a process killed by a signal: whoever was killed that way (a plain
+        # non-zero exit keeps its category's rule -- peers often exit 1 after another's fault)
+        ranks = exit_ranks(state, res, failed, first[0])
+        if ranks or not reg.categories[category].ranks:
+            return _sorted_or_none(res, ranks)
     if not reg.categories[category].ranks:
         return None
     if category == "collective_timeout":
@@ -243,16 +280,17 @@ def _hosts_of(state: ScanState, ranks: list[int] | None) -> list[str]:
     return sorted({state.rank_host[r] for r in ranks})
 
 
-def _culprit_hosts(state: ScanState, ranks: list[int] | None,
+def _culprit_hosts(state: ScanState, res: Resolution, ranks: list[int] | None,
                    failed: list[ExitEvent]) -> list[str] | None:
     """Where the failure happened, as the launchers placed it (not a verdict against a host):
     the hosts of the culprit ``ranks`` when every one is placed (torchrun's failure record
-    ``host : node-03`` / ``rank : 1``); with no culprit ranks named, the hosts the launchers'
-    failed-exit reports name (the same record, ``trainguard launch``'s ``node07:launcher:``
-    lines); else nothing."""
-    if ranks:
-        return _hosts_of(state, ranks) or None
-    return sorted({e.node for e in failed if e.node}) or None
+    ``host : node-03`` / ``rank : 1``); else the hosts the launchers' failed-exit reports name
+    (the same record, ``trainguard launch``'s ``node07:launcher:`` lines), of the culprit ranks'
+    exits when ranks are named; else nothing."""
+    if ranks and _hosts_of(state, ranks):
+        return _hosts_of(state, ranks)
+    return sorted({e.node for e, r in zip(state.exits, res.exit_ranks) if e.node and e in failed
+                   and (not ranks or r in ranks)}) or None
 
 
 def _laggards(state: ScanState) -> set[int]:
@@ -315,7 +353,7 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     cat = reg.categories[category]
     domain = chosen[0].pattern.domain if chosen and chosen[0].pattern.domain else cat.domain
     ids = _primary_ids(state, category, chosen)
-    ranks = _culprit_ranks(state, reg, res, failed, category, ids)
+    ranks = _culprit_ranks(state, reg, res, failed, category, ids, chosen)
     nodes = sorted(res.nodes_of(ids)) if cat.nodes else []
     if cat.nodes and not nodes and chosen and chosen[0].pattern.domain == "unknown":
         nodes = sorted(state.endpoints)  # an unreachable store the error line does not name
@@ -327,6 +365,7 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
     decision = "STOP" if unreadable else cat.decision
     if decision == "RESTART_EXCLUDE_NODES" and not nodes:
         decision = "RESTART"  # a hardware fault we cannot place: plain bounded restart
+    fixed, decision, basis = _after_recovery(state, res, category, decision, basis)
     flagged = list(state.flagged) + [f for f in state.non_text if f not in state.flagged]
     if flagged and not unreadable:  # README: input that is not a text log gets STOP
         decision = "STOP"
@@ -346,4 +385,25 @@ def build_result(state: ScanState, reg: Registry, job_ended: bool = False) -> An
         checkpoint_saved=state.last_checkpoint is not None,
         files=list(state.files), warnings=list(state.warnings), flagged_inputs=flagged,
         bytes_read=state.bytes_read, lines=state.lines,
-        culprit_hosts=_culprit_hosts(state, ranks, failed))
+        culprit_hosts=_culprit_hosts(state, res, ranks, failed),
+        failed_exits=failed_exits(state, res, reg), recovered=fixed)
+
+
+def _after_recovery(state: ScanState, res: Resolution, category: str, decision: str,
+                    basis: str) -> tuple[list[dict], str, str]:
+    """The faults an in-process restart recovered from (reported, never the primary), and the
+    decision: a run that restarted in-process and then completed is ``completed`` like any
+    finished run (STOP: there is nothing left to do, per the logs README), its basis saying
+    that the faults were recovered, so the STOP never reads as "the fault is fatal"."""
+    fixed = recovered(state, res)
+    if not fixed:
+        return fixed, decision, basis
+    basis += "; " + recovered_note(fixed, state.recovery_count)
+    if category == "completed":
+        basis += " -- the wrapped call then completed: nothing left to do"
+    return fixed, decision, basis
+    basis += "; " + recovered_note(fixed, state.recovery_count)
+    if category == "completed" and decision == "STOP":
+        decision = "CONTINUE"
+        basis += " -- the wrapped call then completed, so nothing needs doing"
+    return fixed, decision, basis
