@@ -1,7 +1,8 @@
 """Three kinds a new user's check of ``trainguard analyze`` found, each fixed at its root:
 
 1. a fault that ``inprocess.Wrapper`` recovered from in-process is reported as recovered, never
-   as the job's failure (a recovered-then-completed log is ``completed``, its STOP saying nothing is left to do);
+   as the job's failure (a recovered-then-completed log is ``completed``, its STOP saying that
+   nothing is left to do);
 2. a rank killed by a signal from outside (``kill -9``, the OOM killer) is named: signal, rank,
    and no bare ``None`` in the text output;
 3. torchelastic's JSON error file (``error.json``) is read as the traceback it records.
