@@ -26,8 +26,9 @@ Measured in one run, each with its baseline:
   ``blocking_ddp_hook_pct`` (a timing against ``no_ddp_hook``), and the same A/B of the rank
   processes' CPU time per step (every thread: ``ab_cpu_us_per_step``,
   ``ab_<variant>_cpu_us_per_step``), less sensitive to a shared machine's load than wall time;
-* ``ddp_<small|deep>_<timer|overlapped|blocking>_hook_us_per_step``: each timing of DDP's
-  all-reduce alone, forward + backward time against DDP's own untimed all-reduce, interleaved
+* ``ddp_<small|deep>_<timer|overlapped|blocking>_hook_us_per_step`` (and ``..._cpu_us_per_step``,
+  the process's CPU time, every thread): each timing of DDP's all-reduce alone, forward +
+  backward time against DDP's own untimed all-reduce, after a barrier, interleaved
   step by step in the same processes (``Linear(64, 64)``, one bucket, as in the fits; and 8 x
   ``Linear(256, 256)`` in 8 buckets, where a blocking hook loses the overlap);
 * ``ckpt_block_ms`` / ``lightning_async_block_ms`` / ``lightning_sync_block_ms``: how long
@@ -151,11 +152,12 @@ def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
     all-reduce, interleaved step by step in the same processes (so load drifts cancel): ``none``
     (DDP's own C++ all-reduce, untimed), ``timer`` (the default on gloo:
     :class:`BackwardWaitTimer`, no communication hook), ``overlapped`` (the Python hook it
-    replaced) and ``blocking`` (the hook before that). Two model shapes: the overhead bench's
-    ``Linear(64, 64)`` (one bucket) and 8 x ``Linear(256, 256)`` in 0.25 MB buckets (8 buckets:
-    what the blocking hook loses is the overlap). Runs after the fits, on the process group
-    Lightning left initialised; a straggler detector is running (as under the callback), so the
-    blocking hook's ``dist.all_reduce`` goes through its timing wrapper."""
+    replaced) and ``blocking`` (the hook before that). A barrier precedes each timed step, so the
+    ranks' skew (which one waits in the all-reduce) is not counted. Two model shapes: the overhead
+    bench's ``Linear(64, 64)`` (one bucket) and 8 x ``Linear(256, 256)`` in 0.25 MB buckets (8
+    buckets: what the blocking hook loses is the overlap). Runs after the fits, on the process
+    group Lightning left initialised; a straggler detector is running (as under the callback), so
+    the blocking hook's ``dist.all_reduce`` goes through its timing wrapper."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -164,7 +166,7 @@ def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
     from trainguard.straggler import Detector
 
     # layers, width, batch, steps: the deep model's steps are ~10x longer on a loaded machine
-    shapes = {"small": (1, 64, 8, steps), "deep": (8, 256, 32, max(20, steps // 5))}
+    shapes = {"small": (1, 64, 8, steps), "deep": (8, 256, 32, max(40, steps // 2))}
     Detector.initialize(window_steps=20)
     out: dict[str, dict[str, list[float]]] = {}
     try:
@@ -183,17 +185,21 @@ def _ddp_hook_micro(steps: int) -> dict[str, dict[str, list[float]]]:
             timer.attach(models["timer"])
             x = torch.randn(batch, width)
             times: dict[str, list[float]] = {n: [] for n in models}
+            cpus: dict[str, list[float]] = {n: [] for n in models}
             for i in range(n + 5):
                 for j in range(len(models)):
                     name = list(models)[(i + j) % len(models)]
-                    t0 = time.perf_counter()
+                    dist.barrier()  # both ranks start together: what is timed is not skew
+                    t0, c0 = time.perf_counter(), time.process_time()
                     models[name](x).pow(2).mean().backward()
                     if name == "timer":
                         Detector.add_collective_wait(timer.take_exposed_s())
                     if i >= 5:
                         times[name].append(time.perf_counter() - t0)
+                        cpus[name].append(time.process_time() - c0)  # every thread's
             timer.detach()
             out[shape] = times
+            out[f"{shape}_cpu"] = cpus
             dist.barrier()
     finally:
         Detector.shutdown()
@@ -412,9 +418,13 @@ def _overhead(steps: int, reps: int, variants: list[str]) -> dict[str, Any]:
         # ranks' medians of step-by-step interleaved runs
         med = {n: statistics.median(statistics.median(r["ddp_hook_micro"][shape][n])
                                     for r in ranks) for n in MICRO}
+        cpu_med = {n: statistics.median(statistics.median(r["ddp_hook_micro"][f"{shape}_cpu"][n])
+                                        for r in ranks) for n in MICRO}
         fig[f"ddp_{shape}_fwd_bwd_us_none"] = med["none"] * 1e6
+        fig[f"ddp_{shape}_fwd_bwd_cpu_us_none"] = cpu_med["none"] * 1e6
         for n in MICRO[1:]:
             fig[f"ddp_{shape}_{n}_hook_us_per_step"] = (med[n] - med["none"]) * 1e6
+            fig[f"ddp_{shape}_{n}_hook_cpu_us_per_step"] = (cpu_med[n] - cpu_med["none"]) * 1e6
     if "no_ddp_hook" in variants:
         # the all-reduce timing alone: the same callbacks with it (the default's timer, or a
         # hook an earlier default used) against without (no_ddp_hook)
@@ -549,7 +559,10 @@ def _table(f: dict[str, Any]) -> None:
                       f"timer (default) {f[f'ddp_{shape}_timer_hook_us_per_step']:+.0f} us; "
                       f"overlapped hook (before) "
                       f"{f[f'ddp_{shape}_overlapped_hook_us_per_step']:+.0f} us; blocking hook "
-                      f"{f[f'ddp_{shape}_blocking_hook_us_per_step']:+.0f} us",
+                      f"{f[f'ddp_{shape}_blocking_hook_us_per_step']:+.0f} us; process CPU "
+                      f"{f[f'ddp_{shape}_timer_hook_cpu_us_per_step']:+.0f} / "
+                      f"{f[f'ddp_{shape}_overlapped_hook_cpu_us_per_step']:+.0f} / "
+                      f"{f[f'ddp_{shape}_blocking_hook_cpu_us_per_step']:+.0f} us",
                       f"untimed {f[f'ddp_{shape}_fwd_bwd_us_none']:.0f} us "
                       "(step-by-step interleaved)", "")
     for key, label in (("ddp_hook_pct", "all-reduce timer (default)"),
