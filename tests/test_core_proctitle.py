@@ -4,6 +4,7 @@ ranks: tests/runner/test_runner_contract.py)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -70,6 +71,44 @@ def test_checkpoint_writer_is_titled_with_its_rank_and_when_pooled(tmp_path):
         ck.abort()  # parked in the pool: the title says so
         assert _wait_title(pid, "trainguard: rank 0 ckpt writer (pooled, idle)") == (
             "trainguard: rank 0 ckpt writer (pooled, idle)")
+    finally:
+        ck.close()
+        run_release_callbacks()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.filterwarnings("ignore:trainguard. WORLD_SIZE is not set")
+def test_writer_of_a_checkpointer_without_a_group_names_the_launcher_rank(tmp_path, monkeypatch):
+    """New-user finding: under ``trainguard launch`` a checkpointer made with ``use_dist=False``
+    (or before ``init_process_group``) named rank 1's writer 'rank 0' in ``ps`` and in its death
+    warning; it follows ``RANK``, then the group's rank after ``rebind``."""
+    import torch.distributed as dist
+
+    from trainguard.testing import free_port
+
+    monkeypatch.setenv("RANK", "3")
+    ck = AsyncCheckpointer(tmp_path, use_dist=False)
+    try:
+        ck.save({"w": torch.zeros(8)}, 1)
+        assert ck.wait() == [1]
+        pid = ck.writer.pid
+        assert pid is not None and ck.writer.rank == 3
+        assert _wait_title(pid, "trainguard: rank 3 ckpt writer") == (
+            "trainguard: rank 3 ckpt writer")
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, True,
+                              timeout=datetime.timedelta(seconds=10))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            ck.rebind()  # parks the idle writer; the next save takes one for rank 0
+            assert ck.writer.rank == 0
+            ck.save({"w": torch.ones(8)}, 2)
+            assert ck.wait() == [2]
+            pid = ck.writer.pid
+            assert pid is not None
+            assert _wait_title(pid, "trainguard: rank 0 ckpt writer") == (
+                "trainguard: rank 0 ckpt writer")
+        finally:
+            dist.destroy_process_group()
     finally:
         ck.close()
         run_release_callbacks()

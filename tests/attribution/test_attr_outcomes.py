@@ -206,7 +206,7 @@ def test_no_bare_none_in_text_output(capsys, write_log):
                     "(SIGKILL) from outside the launcher\n")
     text = _cli_text(capsys, log)
     assert "None" not in text, text
-    assert "no training step logged, no checkpoint saved" in text, text
+    assert "no training step logged, no checkpoint save in the log" in text, text
 
 
 # ------------------------------------------------------------ 3. torchelastic error file

@@ -75,6 +75,27 @@ def test_yaml_errors_name_the_file(tmp_path):
         FaultToleranceConfig.merged(load_yaml_section(str(unknown)), {})
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("fault_tolerence:\n  rank_heartbeat_timeout: 5\n", "top-level keys: fault_tolerence"),
+    ("", "empty or not a mapping"),
+    ("- a\n- b\n", "empty or not a mapping"),
+])
+def test_a_file_without_the_section_is_refused_not_ignored(tmp_path, text, needle):
+    """New-user finding: a misspelt section ran the job on defaults, exit 0, no warning."""
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text(text)
+    with pytest.raises(LaunchConfigError) as err:
+        load_yaml_section(str(cfg))
+    msg = str(err.value)
+    assert "\n" not in msg and str(cfg) in msg and needle in msg, msg
+    assert "no 'fault_tolerance:' section" in msg, msg
+    nested = tmp_path / "nested.yaml"  # NVRx-style nesting and an empty section still work
+    nested.write_text("trainer:\n  fault_tolerance:\n    safety_factor: 3\n")
+    assert load_yaml_section(str(nested)) == {"safety_factor": 3}
+    nested.write_text("fault_tolerance:\n")
+    assert load_yaml_section(str(nested)) == {}
+
+
 @pytest.mark.parametrize("values,expected", [
     ({}, []),
     ({"rank_heartbeat_timeout": 120, "pg_timeout": 30, "auto_heartbeat_timeout": None},

@@ -75,6 +75,21 @@ def test_storage_options_are_refused_like_lightning_does(io, tmp_path: Path):
         io.save_checkpoint(_ckpt(1), tmp_path / "x.ckpt", storage_options={"a": 1})
 
 
+def test_an_unwritable_directory_is_one_clear_error(io, tmp_path: Path):
+    """New-user finding: a checkpoint path under /proc raised a raw FileNotFoundError from
+    ``os.makedirs`` at the first save."""
+    from trainguard.errors import ConfigError
+
+    for bad in ("/proc/nope/x.ckpt", str(tmp_path / "afile" / "x.ckpt")):
+        (tmp_path / "afile").write_text("")
+        with pytest.raises(ConfigError, match="checkpoint directory .* writable") as err:
+            io.save_checkpoint(_ckpt(1), bad)
+        assert "\n" not in str(err.value)
+    io.save_checkpoint(_ckpt(2), tmp_path / "ok.ckpt")  # still usable afterwards
+    io.teardown()
+    assert latest(tmp_path) is not None
+
+
 def test_teardown_commits_pending_saves_and_applies_removals(tmp_path: Path):
     io = CheckpointIOLogic()
     a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"

@@ -180,7 +180,7 @@ def _progress_words(prog: dict[str, Any]) -> str:
         ck = prog.get("last_checkpoint_step")
         return text + (f", checkpoint saved at step {ck}" if ck is not None
                        else ", a checkpoint was saved (step not logged)")
-    return text + ", no checkpoint saved"
+    return text + ", no checkpoint save in the log"
 
 
 def _exit_words(ex: dict[str, Any]) -> str:

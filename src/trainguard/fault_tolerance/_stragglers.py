@@ -76,9 +76,14 @@ class StragglerWatch:
             except Exception:  # noqa: BLE001 - a bad record must never stop the launcher
                 _log.exception("straggler watch: cannot read or score a window")
         if self.scored or self.windows:
-            _log.info("cycle %d: straggler watch scored %d window(s) from the slots%s",
+            none = ""
+            if self.scored and not self.ever_flagged and self._scorer is not None:
+                # a callback with its own, tighter thresholds may still report a straggler
+                none = (f"; no straggler at the launcher's thresholds (ratio_threshold "
+                        f"{self._scorer.config.ratio_threshold:g})")
+            _log.info("cycle %d: straggler watch scored %d window(s) from the slots%s%s",
                       self.cycle, self.scored,
-                      f", {len(self.windows)} incomplete" if self.windows else "")
+                      f", {len(self.windows)} incomplete" if self.windows else "", none)
         return self.table_text()
 
     def table_text(self) -> str:

@@ -79,6 +79,9 @@ def _remove_files(shm_prefix: str, socket_prefix: str) -> None:
 def main() -> None:
     launch_id, fd = sys.argv[1], int(sys.argv[2])
     shm_prefix, socket_prefix = (sys.argv[3], sys.argv[4]) if len(sys.argv) > 4 else ("", "")
+    from trainguard._core.proctitle import set_title
+
+    set_title(f"trainguard: launcher sweeper (launch {launch_id})", "tg-sweeper")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -236,10 +236,12 @@ def _coerce(key: str, raw: Any) -> Any:
 
 
 def load_yaml_section(path: str) -> dict[str, Any]:
-    """The first ``fault_tolerance:`` mapping at any depth of the YAML file (empty if none).
+    """The first ``fault_tolerance:`` mapping at any depth of the YAML file (an empty section
+    gives ``{}``).
 
     Raises:
-        LaunchConfigError: the file is missing, unreadable or not valid YAML.
+        LaunchConfigError: the file is missing, unreadable or not valid YAML, or it has no
+            ``fault_tolerance:`` section (a misspelt name must not run the job on defaults).
     """
     import yaml
 
@@ -253,9 +255,17 @@ def load_yaml_section(path: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise LaunchConfigError(_yaml_error_line(path, exc)) from None
     found = _find_section(doc)
-    if found is not None and not isinstance(found, Mapping):
+    if found is _MISSING:  # a typo in the section name must not run the job on silent defaults
+        keys = sorted(str(k) for k in doc) if isinstance(doc, Mapping) else []
+        has = f" (top-level keys: {', '.join(keys)})" if keys else " (the file is empty or not " \
+            "a mapping)"
+        raise LaunchConfigError(f"--ft-cfg-path: {path}: no 'fault_tolerance:' section{has}; "
+                                "put the options under 'fault_tolerance:'")
+    if found is None:  # "fault_tolerance:" with nothing under it
+        return {}
+    if not isinstance(found, Mapping):
         raise LaunchConfigError(f"{path}: 'fault_tolerance' must be a mapping of options")
-    return dict(found or {})
+    return dict(found)
 
 
 def _yaml_error_line(path: str, exc: Exception) -> str:
@@ -267,20 +277,24 @@ def _yaml_error_line(path: str, exc: Exception) -> str:
             "(check indentation, ':' after each key, matching quotes/brackets)")
 
 
+_MISSING = object()
+
+
 def _find_section(doc: Any) -> Any:
+    """The value of the first ``fault_tolerance`` key at any depth; ``_MISSING`` if none."""
     if isinstance(doc, Mapping):
         if "fault_tolerance" in doc:
             return doc["fault_tolerance"]
-        for value in doc.values():
-            found = _find_section(value)
-            if found is not None:
-                return found
+        values: Any = doc.values()
     elif isinstance(doc, list):
-        for value in doc:
-            found = _find_section(value)
-            if found is not None:
-                return found
-    return None
+        values = doc
+    else:
+        return _MISSING
+    for value in values:
+        found = _find_section(value)
+        if found is not _MISSING:
+            return found
+    return _MISSING
 
 
 def check_timeout_chain(cfg: FaultToleranceConfig, rdzv_timeout_s: float | None = None

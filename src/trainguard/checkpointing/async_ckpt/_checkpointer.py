@@ -10,6 +10,7 @@ in the same order, and ``maybe_finalize`` at the same points.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -165,7 +166,7 @@ class AsyncCheckpointer(LoadMixin):
         root = join_run_id(root, run_id)
         self.manager = CheckpointManager(root, keep_last) if root is not None else None
         self.faults = dict(faults or {})
-        self.writer = WriterProcess(self.rank, writer_nice, warm_dcp=format == "dcp")
+        self.writer = WriterProcess(_label_rank(), writer_nice, warm_dcp=format == "dcp")
         if staging_budget_bytes is not None and (
                 isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int)
                 or staging_budget_bytes <= 0):
@@ -796,6 +797,12 @@ class AsyncCheckpointer(LoadMixin):
         self.use_dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
+        label = _label_rank()
+        if label != self.writer.rank:  # made before init_process_group: ps and logs follow
+            self.writer.rank = label
+            if self.writer.alive():
+                with contextlib.suppress(WriterDied):
+                    self.writer.send({"op": "title", "rank": label})
 
     def close(self, finalize: bool = True) -> None:
         """Finalize pending saves (if ``finalize``), stop the writer, unlink staging memory.
@@ -850,3 +857,15 @@ def _release(writer: WriterProcess, pool: ArenaPool) -> None:
     (``writer.park_on_release``), then unlink the staging arenas."""
     writer.release()
     pool.close()
+
+
+def _label_rank() -> int:
+    """This process's rank for the writer's title and log lines: the process group's, else
+    ``RANK`` from the launcher's environment (a checkpointer made with ``use_dist=False``, or
+    before ``init_process_group``, still names the rank it serves), else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return max(0, int(os.environ.get("RANK", "0")))
+    except ValueError:
+        return 0

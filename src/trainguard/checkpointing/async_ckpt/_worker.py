@@ -273,6 +273,10 @@ class _Worker:
             if req.get("dcp"):
                 _warm_dcp_in_background()
             return True
+        if req["op"] == "title":  # its checkpointer learned its rank (rebind): ps and logs
+            os.environ["RANK"] = str(req["rank"])
+            _title(int(req["rank"]))
+            return True
         if req["op"] == "reset":  # back to the pool, or taken from it: hold nothing of anyone
             for name in list(self.maps):
                 self.release(name)

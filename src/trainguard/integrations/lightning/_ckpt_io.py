@@ -33,6 +33,7 @@ from trainguard._core.logging import get_logger
 from trainguard.checkpointing import AsyncCheckpointer, CorruptCheckpointError, commit_file
 from trainguard.checkpointing._latest import COMMIT_SUFFIX
 from trainguard.checkpointing.storage import TMP_MARK
+from trainguard.errors import ConfigError
 from trainguard.integrations.lightning._common import checkpoint_section
 
 __all__ = ["CheckpointIOLogic"]
@@ -178,8 +179,21 @@ class CheckpointIOLogic:
         return self.checkpointer
 
     def _clean_leftovers(self, folder: str) -> None:
-        """First save into ``folder``: make it, and delete temporaries of a killed writer."""
-        os.makedirs(folder, exist_ok=True)
+        """First save into ``folder``: make it, and delete temporaries of a killed writer.
+
+        Raises:
+            ConfigError: ``folder`` cannot be created or written (one line with the fix).
+        """
+        try:
+            os.makedirs(folder, exist_ok=True)
+            writable = os.access(folder, os.W_OK | os.X_OK)
+        except OSError as exc:
+            raise ConfigError(f"checkpoint directory {folder!r} cannot be created "
+                              f"({exc.strerror}); pass a writable dirpath / default_root_dir"
+                              ) from None
+        if not writable:
+            raise ConfigError(f"checkpoint directory {folder!r} is not writable; pass a writable "
+                              "dirpath / default_root_dir")
         busy = self.checkpointer is not None and self.checkpointer.num_unfinalized
         if not busy:
             for name in os.listdir(folder):
