@@ -86,6 +86,20 @@ def test_warning_level_log_recovered_fault_is_not_the_failure():
         [("code_exception", [1], 0)], ended.recovered
 
 
+def test_warning_level_log_with_the_launchers_success_record_is_completed(tmp_path):
+    """New-user finding: at the default log level a job that recovered and finished read as
+    ``in_progress``; ``trainguard launch`` now appends ``cycle N: every rank exited 0`` to the
+    cycle log of a successful cycle, which is the completion."""
+    log = tmp_path / "cycle_0.log"
+    log.write_text((RUNS / "inprocess_warning_level_recovered.log").read_text()
+                   + "vm:launcher: trainguard launcher: cycle 0: every rank exited 0\n")
+    for ended in (False, True):
+        res = analyze_logs([str(log)], job_ended=ended)
+        assert (res.primary_category, res.decision) == ("completed", "STOP"), res.reason
+        assert [(x["category"], x["ranks"]) for x in res.recovered] == \
+            [("code_exception", [1])], res.recovered
+
+
 def test_warning_level_retry_limit_revokes_the_announced_restart():
     """The warning announces a restart; the retry limit's RestartAbort says it did not happen:
     iteration 1's fault is the failure again (iteration 0's stays recovered, since iteration 1's

@@ -55,3 +55,19 @@ def test_outside_sigkill_is_attributed_with_signal_and_rank(tmp_path, launch):
     assert verdict, run
     assert "RESTART" in verdict[0] and "on rank(s) 1 " in verdict[0], verdict
     assert "rank 1 killed by SIGKILL" in verdict[0], verdict
+
+
+def test_a_successful_cycle_log_ends_with_the_launchers_record(tmp_path, launch):
+    """The cycle log of a cycle whose ranks all exited 0 says so in the launcher's words, and
+    ``analyze`` reads the log as completed (a rank's own last line proves nothing)."""
+    from trainguard.attribution import analyze_logs
+
+    script = tmp_path / "ok.py"
+    script.write_text("import os\nprint(f\"step 1 done on rank {os.environ['RANK']}\")\n")
+    run = launch("--nproc-per-node", "2", "--max-restarts", "0", str(script), timeout=60)
+    assert run.rc == 0, run
+    log = run.cycle_log(0)
+    assert log.rstrip().endswith(":launcher: trainguard launcher: cycle 0: every rank exited 0"), \
+        log
+    res = analyze_logs([str(run.log_dir / "t" / "cycle_0.log")], job_ended=True)
+    assert (res.primary_category, res.decision) == ("completed", "STOP"), res.reason

@@ -33,6 +33,7 @@ from trainguard._core.procs import describe_exit, terminate_processes
 from trainguard._core.shm import unique_prefix
 from trainguard.fault_tolerance import _cycle
 from trainguard.fault_tolerance._args import LaunchSpec
+from trainguard.fault_tolerance._attr_record import append_record
 from trainguard.fault_tolerance._healthport import HealthServer, LauncherState, Liveness
 from trainguard.fault_tolerance._logs import LogPump
 from trainguard.fault_tolerance._report import after_failure, print_summary
@@ -486,6 +487,11 @@ class Launcher:
             res.progress = _cycle.slot_progress(self)
             res.ended_ns = time.monotonic_ns()
             self.pump.end_cycle()
+            if res.outcome is _cycle.Outcome.SUCCEEDED:  # the cycle log says the job ended
+                try:
+                    append_record(self.cycle_log(cycle), self.node, res)
+                except OSError as exc:
+                    _log.warning("cycle %d: cannot append the launcher record: %s", cycle, exc)
             for sock in held:
                 sock.close()
         return res

@@ -11,6 +11,11 @@ after that prefix::
     trainguard launcher: cycle 0: rank 1 killed by signal 9 (SIGKILL) by the launcher (hang
     detection)   [one line]
 
+and after a cycle in which every rank exited 0 (the job's end: a rank's own completion line may
+not be logged at its level)::
+
+    trainguard launcher: cycle 0: every rank exited 0
+
 A signal line says who sent it: ``from outside the launcher`` when the rank died while the cycle
 was still running (the launcher and its rank monitors had sent nothing), ``by the launcher (hang
 detection)`` when the rank's monitor had reported it hung (the monitor's SIGKILL, raced with the
@@ -62,6 +67,12 @@ def record_lines(node: str, res: CycleResult,
     for cycle, rank, _, msg in hang_events or ():
         if cycle == res.cycle and isinstance(msg.get("timeout_s"), (int, float)):
             timeouts.setdefault(rank, float(msg["timeout_s"]))
+    from trainguard.fault_tolerance._cycle import Outcome
+
+    if res.outcome is Outcome.SUCCEEDED and not res.failures:
+        # the job's end in the launcher's words: a rank's own completion line may not be logged
+        # at its level (the Wrapper's "call completed" is INFO), so the log would read as cut off
+        return [f"{node}:launcher: {PREFIX}: cycle {res.cycle}: every rank exited 0"]
     hung = {f.rank for f in res.failures if f.kind in ("hang", "no_client")}
     out = []
     for failure in sorted(res.failures, key=lambda f: f.at_ns):
