@@ -25,7 +25,10 @@ FAST = {
 
 
 def _title(pid: int) -> str:
-    return " ".join(psutil.Process(pid).cmdline()).strip()  # setproctitle pads the area
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).strip()  # setproctitle pads the area
+    except psutil.Error:  # gone, or a zombie not reaped yet
+        return ""
 
 
 def _wait_title(pid: int, want: str, timeout_s: float = 10.0) -> str:
@@ -42,10 +45,13 @@ def test_inprocess_monitor_child_is_titled_apart_from_its_trainer(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINGUARD_STORE_PORT"):
         monkeypatch.delenv(var, raising=False)
     seen: dict[str, str] = {}
+    # children of this process from earlier tests (a pooled checkpoint writer, a zombie not
+    # reaped yet) are not the Wrapper's
+    before = {p.pid for p in psutil.Process().children()}
 
     @Wrapper(**FAST)
     def train(cw: CallWrapper) -> int:
-        kids = psutil.Process().children()
+        kids = [k for k in psutil.Process().children() if k.pid not in before]
         for kid in kids:
             seen[str(kid.pid)] = _wait_title(kid.pid, "trainguard: rank 0 monitor")
         seen["trainer"] = _title(os.getpid())

@@ -57,6 +57,8 @@ def test_sigkilled_idle_writer_is_logged_at_once_and_the_next_save_commits(
         # replaced at once in the pool, else when the next save needs it
         assert ("starting in the writer pool" in lines[0]) == pool, lines
         assert took < 3.0, took
+        # reaped by the watch itself: no zombie waits for the owner's next request
+        assert not os.path.exists(f"/proc/{pid}"), open(f"/proc/{pid}/stat").read()
         time.sleep(0.2)
         assert len(_warnings(caplog)) == 1  # one line, not one per poll
         t0 = time.monotonic()

@@ -72,10 +72,13 @@ class WriterProcess:
             watch.cancel()
 
     def _died(self, pid: int, how: str) -> None:
-        """ExitWatch thread: one line; the owner's next request reaps it and gets a new one."""
+        """ExitWatch thread: one line; the process is reaped here (no zombie waits for the
+        owner's next request), and the owner's next request gets a new writer."""
         proc = self.proc
-        if how == "exited" and proc is not None and proc.pid == pid and proc.returncode is not None:
-            how = describe_exit(proc.returncode)  # reaped by the owner first: its status
+        if proc is not None and proc.pid == pid:
+            proc.poll()  # reaps it (Popen's own lock: never races the owner's wait)
+            if proc.returncode is not None:
+                how = describe_exit(proc.returncode)
         if self.pooled:
             what = "pooled idle checkpoint writer"
             then = "the pool drops it when a checkpointer next takes a writer"
