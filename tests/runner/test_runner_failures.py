@@ -76,6 +76,31 @@ def test_sigkill_of_rank0_after_result_block_grew_leaves_no_shared_memory():
 
 
 @pytest.mark.timeout(60)
+def test_sentinel_seen_before_the_reply_pipe_eof_is_still_a_crash():
+    """CI flake, kind fixed: a dying rank's pipes close one by one, so its sentinel can wake the
+    runner while its reply pipe shows EOF only a moment later. The reply pipe must stay watched:
+    the EOF is then read as a crash at once, not left to the call timeout."""
+    import signal
+
+    from trainguard._core.clock import Deadline
+
+    r = _runner(call_timeout=30.0)
+    try:
+        pid = r._procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(pid), 10.0)
+        time.sleep(0.2)  # both pipes now at EOF: replay the order in which the race hurt
+        pending = {0}
+        r._on_exit(0, pending, "generate")  # the sentinel first; the reply pipe is readable
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCrashed, match="SIGKILL"):
+            list(r._frames(pending, Deadline(5.0), "generate"))
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        r.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_wedged_rank_times_out_within_call_timeout_and_is_killed_at_shutdown():
     r = _runner(call_timeout=1.5)
     try:

@@ -320,6 +320,8 @@ class DistributedRunner:
                 self._on_exit(rank, pending, what)
                 continue
             if rank not in pending:
+                if rank in self._exited:  # a dead rank's EOF after its last reply: no wake-ups
+                    self._drop_fds(rank, sentinel_only=False)
                 continue
             try:
                 kind, body = self._readers[rank].recv()
@@ -328,13 +330,22 @@ class DistributedRunner:
             yield rank, kind, body
 
     def _on_exit(self, rank: int, pending: set[int], what: str) -> None:
-        for fd, (r, _) in list(self._fdmap.items()):
-            if r == rank:  # stop level-triggered wake-ups from the dead rank
+        self._exited.add(rank)
+        # A dying process's pipes close one by one: its sentinel can wake us before its reply
+        # pipe shows the reply or EOF. A readable reply pipe stays watched (the reply, else EOF
+        # -> WorkerCrashed, is read next); dropping it too left a SIGKILLed rank to the call
+        # timeout (CI: 30 s, WorkerTimeout instead of WorkerCrashed).
+        readable = _readable(self._readers[rank].fd)
+        self._drop_fds(rank, sentinel_only=readable)
+        if rank in pending and not readable:
+            self._crashed(rank, what)
+
+    def _drop_fds(self, rank: int, sentinel_only: bool) -> None:
+        """Stop level-triggered wake-ups from a dead rank's sentinel (and its reply pipe)."""
+        for fd, (r, is_sentinel) in list(self._fdmap.items()):
+            if r == rank and (is_sentinel or not sentinel_only):
                 self._poller.unregister(fd)
                 del self._fdmap[fd]
-        self._exited.add(rank)
-        if rank in pending and not _readable(self._readers[rank].fd):
-            self._crashed(rank, what)
 
     def _crashed(self, rank: int, what: str) -> None:
         proc = self._procs[rank]
