@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from attr_data import DATA
@@ -61,14 +62,19 @@ def test_without_the_restart_record_the_same_fault_is_the_failure(write_log):
     assert r.recovered == []
 
 
+def _injected_fault_lines(log: Path) -> list[int]:
+    """1-based line numbers of rank 1's injected fault in a real-run log (one per iteration)."""
+    return [i + 1 for i, ln in enumerate(log.read_text().splitlines())
+            if ln == "vm:1: RuntimeError: injected fault at step 2"]
+
+
 def test_fault_after_the_last_restart_is_the_failure():
     """Retry limit: iteration 0's fault was recovered, iteration 1's was not (no restart record
     follows it); the verdict is iteration 1's fault, the first listed as recovered."""
     log = RUNS / "inprocess_retry_limit.log"
     r = analyze_logs([str(log)], job_ended=True)
     assert (r.primary_category, r.decision, r.culprit_ranks) == ("code_exception", "STOP", [1])
-    first, last = [i + 1 for i, ln in enumerate(log.read_text().splitlines())
-                   if ln == "vm:1: RuntimeError: injected fault at step 2"]
+    first, last = _injected_fault_lines(log)
     assert r.evidence[0].line == last, r.evidence
     assert [(x["line"], x["ranks"]) for x in r.recovered] == [(first, [1])], r.recovered
 
@@ -107,8 +113,7 @@ def test_warning_level_retry_limit_revokes_the_announced_restart():
     log = RUNS / "inprocess_warning_level_retry_limit.log"
     r = analyze_logs([str(log)], job_ended=True)
     assert (r.primary_category, r.decision, r.culprit_ranks) == ("code_exception", "STOP", [1])
-    first, last = [i + 1 for i, ln in enumerate(log.read_text().splitlines())
-                   if ln == "vm:1: RuntimeError: injected fault at step 2"]
+    first, last = _injected_fault_lines(log)
     assert r.evidence[0].line == last, r.evidence
     assert [(x["line"], x["iteration"]) for x in r.recovered] == [(first, 0)], r.recovered
 
