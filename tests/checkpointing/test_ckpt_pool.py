@@ -133,7 +133,7 @@ def test_checkpointer_made_inside_wrapped_function_reuses_the_previous_writer(
 
     @Wrapper(**FAST)
     def train(cw: CallWrapper):
-        ck = AsyncCheckpointer(tmp_path / "ck", write_timeout=30.0)
+        ck = AsyncCheckpointer(tmp_path / "ck", write_timeout=30.0, spare_writer=False)
         seen.append((ck.writer.pid, ck.writer.starts, ck.writer.taken))
         ck.save({"w": torch.full((1 << 14,), float(cw.iteration))}, 10 + cw.iteration)
         ck.wait()
@@ -235,3 +235,91 @@ def test_dcp_checkpointer_writers_import_dcp_before_the_first_save(tmp_path):
     finally:
         ck.close()
         _pool.drain()
+
+
+def _wait_for_spare(timeout_s: float = 90.0, exclude: tuple[int | None, ...] = ()) -> int:
+    """Pid of a ready pooled writer (the spare) not in ``exclude``, once one is there."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ready = [p for p in _pool.idle_pids(ready_only=True) if p not in exclude]
+        if ready:
+            return ready[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no ready spare writer in the pool within {timeout_s} s")
+
+
+@pytest.mark.timeout(180)
+def test_spare_writer_takes_over_after_abort_of_a_busy_writer(tmp_path):
+    """Issue 13: an abort kills a writer busy with a save, and its replacement starts cold (it
+    imports torch during the restart: seconds on a loaded machine, so the next save's commit
+    waited for it). With a spare, the next save is written and committed by a writer that was
+    warm before the fault; another spare then starts; close() and drain() leave nothing."""
+    ck = AsyncCheckpointer(tmp_path, use_dist=False, spare_writer=True,
+                           faults={1: {"phase": "write", "action": "hang"}})
+    try:
+        ck.warmup(timeout=60.0)
+        busy = ck.writer.pid
+        spare = _wait_for_spare(exclude=(busy,))
+        ck.save({"w": torch.ones(1 << 12)}, 1)  # the writer hangs in this write
+        ck.abort()  # busy: killed (no replacement at once: the spare replaces it)
+        assert wait_gone(busy) and _pool.idle_pids() == [spare]
+        ck.save({"w": torch.full((1 << 12,), 2.0)}, 2)
+        assert ck.writer.pid == spare and ck.writer.taken == 1  # warm: imported before the fault
+        assert ck.wait() == [2] and ck.load()[0]["w"][0].item() == 2.0
+        nxt = _wait_for_spare(exclude=(busy, spare))  # the keeper starts the next spare
+        assert _pool.idle_pids() == [nxt]
+    finally:
+        ck.close()
+    assert wait_gone(spare)
+    assert _pool.drain() == 1 and wait_gone(nxt) and not _pool._spare_thread
+
+
+@pytest.mark.timeout(120)
+def test_spare_writer_default_is_on_inside_a_restart_loop_only(tmp_path, monkeypatch):
+    """``spare_writer=None``: on inside ``inprocess.Wrapper``'s call (``_core.hooks``'s
+    restart-loop flag, read at construction and at ``rebind``), off elsewhere; an explicit value
+    wins; ``TRAINGUARD_CKPT_SPARE_WRITER=0`` keeps every spare off; a bad value is refused."""
+    from trainguard._core.hooks import in_restart_loop, restart_loop
+
+    outside = AsyncCheckpointer(None, use_dist=False)
+    try:
+        assert not in_restart_loop() and not outside.writer.spare
+        with restart_loop():
+            assert in_restart_loop()
+            inside = AsyncCheckpointer(None, use_dist=False)
+            off = AsyncCheckpointer(None, use_dist=False, spare_writer=False)
+            outside.rebind()  # made before the loop, rebound inside it (the README's pattern)
+            assert inside.writer.spare and not off.writer.spare and outside.writer.spare
+            for ck in (inside, off):
+                ck.close()
+        assert not in_restart_loop()
+        with pytest.raises(ConfigError, match="spare_writer"):
+            AsyncCheckpointer(None, use_dist=False, spare_writer="yes")  # type: ignore[arg-type]
+        monkeypatch.setenv("TRAINGUARD_CKPT_SPARE_WRITER", "0")
+        assert not _pool.spare_enabled()
+        _pool.want_spare(outside.writer)
+        assert not _pool._spare_thread
+    finally:
+        outside.close()
+        _pool.drain()
+
+
+@pytest.mark.timeout(120)
+def test_wrapper_runs_its_iterations_inside_the_restart_loop_flag(single_rank_env, tmp_path):
+    """The Wrapper marks its call (every iteration, also after a restart) as a restart loop, so
+    a checkpointer made there keeps a spare writer; the flag is off again after the call."""
+    from trainguard._core.hooks import in_restart_loop
+
+    seen: list[tuple[bool, bool]] = []
+
+    @Wrapper(**FAST)
+    def train(cw: CallWrapper):
+        ck = AsyncCheckpointer(tmp_path / "ck", write_timeout=30.0)
+        seen.append((in_restart_loop(), ck.writer.spare))
+        ck.close()
+        if cw.iteration < 1:
+            raise RuntimeError("fault in iteration 0")
+
+    train()
+    assert seen == [(True, True), (True, True)] and not in_restart_loop()
+    _pool.drain()

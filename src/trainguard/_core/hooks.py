@@ -9,21 +9,27 @@ callback here, and the capability that knows when to act runs them all:
   iteration it waits, so a capability can prepare what the rank needs when it becomes active
   (warm checkpoint writers);
 * release callbacks: free process-wide idle resources kept for reuse (pooled writer processes);
-  run by ``trainguard.testing.LeakChecker`` before it counts leaked children.
+  run by ``trainguard.testing.LeakChecker`` before it counts leaked children;
+* the restart-loop flag: the in-process restart marks the span of its call
+  (:func:`restart_loop`), so a capability can prepare for an abort only where one can happen
+  (a spare checkpoint writer: :func:`in_restart_loop`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from trainguard._core.logging import get_logger
 
 __all__ = [
     "defer_to_restart",
+    "in_restart_loop",
     "register_release_callback",
     "register_reset_callback",
     "register_standby_callback",
+    "restart_loop",
     "run_deferred_resets",
     "run_release_callbacks",
     "run_reset_callbacks",
@@ -135,3 +141,25 @@ def _run_each(items: list[tuple[str, Callable[[], None]]], what: str) -> list[st
             _log.exception("%s %r failed", what, name)
             failed.append(name)
     return failed
+
+
+_loops = {"depth": 0}
+
+
+@contextlib.contextmanager
+def restart_loop() -> Iterator[None]:
+    """Mark the calling span as inside an in-process restart loop (``inprocess.Wrapper``'s call;
+    nestable, any thread). Never blocks."""
+    with _Registry._lock:
+        _loops["depth"] += 1
+    try:
+        yield
+    finally:
+        with _Registry._lock:
+            _loops["depth"] -= 1
+
+
+def in_restart_loop() -> bool:
+    """True while an in-process restart loop runs in this process (see :func:`restart_loop`):
+    a fault may then abort the current iteration and kill what it was using."""
+    return _loops["depth"] > 0

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard._core.clock import as_seconds
+from trainguard._core.hooks import restart_loop
 from trainguard._core.logging import get_logger
 from trainguard._core.store import StoreBarrierTimeout, reentrant_barrier
 from trainguard.inprocess import _coord as co
@@ -395,8 +396,9 @@ class _Runtime(LoopMixin):
         saved = env_snapshot()
         try:
             self.setup()
-            while self.iterate(args, kwargs) is Outcome.RESTART:
-                pass
+            with restart_loop():
+                while self.iterate(args, kwargs) is Outcome.RESTART:
+                    pass
             self.completed = True
         except BaseException as exc:
             self.explain_exit(exc)

@@ -15,9 +15,14 @@ writers instead:
   writer too; ``close()`` stops it;
 * a reserve rank under ``inprocess.Wrapper`` fills the pool to :func:`prewarm_writers` writers
   (``_core.hooks`` standby callback) and imports the trainer-side DCP modules, so the
-  checkpointers it makes when it becomes active start warm.
+  checkpointers it makes when it becomes active start warm;
+* a checkpointer with a spare writer (``AsyncCheckpointer(spare_writer=...)``, on by default
+  inside an in-process restart loop) keeps one warm idle writer of its ``nice`` in the pool
+  (:func:`want_spare`): when an abort kills its busy writer, the next save takes the spare,
+  which imported torch long before, instead of the replacement started at the abort.
 
-At most :data:`MAX_IDLE` writers are pooled (more are stopped). Pooled writers are stopped at
+At most :data:`MAX_IDLE` writers are pooled, plus one per checkpointer that keeps a spare
+(:func:`capacity`; more are stopped). Pooled writers are stopped at
 interpreter exit (atexit) and by ``_core.hooks.run_release_callbacks`` (the leak checker); they
 also exit by themselves within ~1 s of the trainer's death (``_worker`` watches its parent).
 Thread-safe (one lock; process starts and stops happen outside it).
@@ -33,22 +38,32 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 from trainguard._core.hooks import register_release_callback, register_standby_callback
 from trainguard._core.logging import get_logger
 from trainguard.checkpointing.async_ckpt._writer import WriterDied, WriterProcess
 from trainguard.errors import ConfigError
 
-__all__ = ["MAX_IDLE", "drain", "fill", "idle_pids", "park", "prewarm_writers", "spawn", "take"]
+__all__ = ["MAX_IDLE", "capacity", "drain", "fill", "idle_pids", "park", "prewarm_writers", "spawn",
+           "spare_enabled", "take", "unwant_spare", "want_spare"]
 
 _log = get_logger("trainguard.checkpointing")
 MAX_IDLE = 4  # idle writers kept at most (each an interpreter with torch imported)
 _DISABLE_ENV = "TRAINGUARD_CKPT_WRITER_POOL"  # "0": no pool (the benchmark's baseline)
 _lock = threading.Lock()
 _idle: list[WriterProcess] = []
-_state = {"prewarm": 2, "closed": False, "standby_calls": 0}
+_state: dict = {"prewarm": 2, "closed": False, "standby_calls": 0, "excess_since": None}
 _prewarm_thread: list[threading.Thread] = []
 _cancel = threading.Event()  # drain(): a pre-warm waiting for a writer to start gives up
+_SPARE_ENV = "TRAINGUARD_CKPT_SPARE_WRITER"  # "0": no spare writers, whatever the argument
+# A spare waits this long at most for its owners' own cold writers to finish importing torch
+# (the imports would compete for CPU), then starts anyway.
+SPARE_START_DELAY_S = 30.0
+_wanting: weakref.WeakSet[WriterProcess] = weakref.WeakSet()  # handles that want a spare
+_spare_wake = threading.Event()
+_spare_stop = threading.Event()
+_spare_thread: list[threading.Thread] = []
 
 
 def enabled() -> bool:
@@ -56,8 +71,13 @@ def enabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "1") != "0" and not _state["closed"]
 
 
-def take(nice: int) -> WriterProcess | None:
-    """Pop a live pooled writer started with ``nice`` (dead ones are reaped), or None."""
+def take(nice: int, warm_dcp: bool = False) -> WriterProcess | None:
+    """Pop a live pooled writer started with ``nice`` (dead ones are reaped), or None.
+
+    Preferred, in order: one that has imported torch and whose DCP import matches ``warm_dcp``
+    (a DCP writer's import of DCP takes ~1 s more; a torch-format owner leaves those to DCP
+    owners), then any that has imported torch, then one still starting; the newest first
+    within each (the writer an abort just parked is taken back, a spare stays a spare)."""
     if not enabled():
         return None
     dead: list[WriterProcess] = []
@@ -67,12 +87,21 @@ def take(nice: int) -> WriterProcess | None:
             if not w.alive():
                 _idle.remove(w)
                 dead.append(w)
-            elif found is None and w.nice == nice:
-                _idle.remove(w)
-                found = w
-                w.pooled = False
+        live = [w for w in _idle if w.nice == nice]
+        _poll_ready(live)
+        found = None
+        for fits in (lambda w: w.ready and w.warm_dcp == warm_dcp, lambda w: w.ready,
+                     lambda w: w.warm_dcp == warm_dcp, lambda w: True):
+            found = next((w for w in reversed(live) if fits(w) and w.alive()), None)
+            if found is not None:
+                break
+        if found is not None:
+            _idle.remove(found)
+            found.pooled = False
     for w in dead:
         w.stop(grace_s=0.0)
+    if found is not None:
+        _spare_wake.set()  # a spare was maybe taken: start the next one
     return found
 
 
@@ -81,7 +110,7 @@ def park(writer: WriterProcess) -> bool:
     pool is full, disabled or shut down, or the writer is not alive."""
     if enabled() and writer.alive():
         with _lock:
-            if len(_idle) < MAX_IDLE:
+            if len(_idle) < _capacity():
                 writer.pooled = True
                 _idle.append(writer)
                 return True
@@ -89,27 +118,33 @@ def park(writer: WriterProcess) -> bool:
     return False
 
 
-def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0, warm_dcp: bool = False) -> bool:
+def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0, warm_dcp: bool = False,
+          stop: threading.Event | None = None) -> bool:
     """Start a new writer into the pool; False (nothing started) when the pool is full or
     disabled. With ``ready_timeout_s`` > 0 it is pooled only once ready (blocks up to that long;
     one that is not ready by then is pooled anyway), else at once (it imports torch meanwhile).
     ``warm_dcp``: it also imports DCP's write modules right after torch (a replacement for a
-    DCP checkpointer's writer, or a reserve in a process that uses DCP)."""
+    DCP checkpointer's writer, or a reserve in a process that uses DCP). ``stop``: an extra
+    event that, like :func:`drain`, makes a wait for readiness give up (the writer is stopped)."""
     if not enabled():
         return False
     with _lock:
-        if len(_idle) >= MAX_IDLE:
+        if len(_idle) >= _capacity():
             return False
+
+    def cancelled() -> bool:
+        return _cancel.is_set() or (stop is not None and stop.is_set())
+
     writer = WriterProcess(rank, nice, warm_dcp)
     writer.spawn()
     deadline = time.monotonic() + ready_timeout_s
     try:
-        while not writer.ready and time.monotonic() < deadline and not _cancel.is_set():
+        while not writer.ready and time.monotonic() < deadline and not cancelled():
             writer.recv(min(0.5, max(0.0, deadline - time.monotonic())))
     except WriterDied:
         writer.stop(grace_s=0.0)
         return False
-    if _cancel.is_set():
+    if cancelled():
         writer.stop(grace_s=0.0)
         return False
     return park(writer)
@@ -133,21 +168,78 @@ def fill(n: int, rank: int = -1, nice: int = 0, ready_timeout_s: float = 120.0,
     return started
 
 
-def idle_pids() -> list[int]:
-    """Pids of the pooled writers (for tests and diagnostics)."""
+def _poll_ready(writers: list[WriterProcess]) -> None:
+    """Read the ready message of pooled writers that sent it (never blocks; with ``_lock``
+    held: nobody else reads a pooled writer's socket)."""
+    for w in writers:
+        if not w.ready:
+            try:
+                w.poll_ready()
+            except WriterDied:
+                pass
+
+
+def _capacity() -> int:
+    """Call with ``_lock`` held: see :func:`capacity`."""
+    return MAX_IDLE + len(_wanting)
+
+
+def capacity() -> int:
+    """Writers the pool keeps at most: :data:`MAX_IDLE`, plus one per live checkpointer that
+    keeps a spare (its spare must not crowd out the writers an abort parks)."""
     with _lock:
-        return [w.pid for w in _idle if w.pid is not None]
+        return _capacity()
+
+
+TRIM_AFTER_S = 10.0  # pooled writers beyond capacity() for this long are stopped
+
+
+def _trim(now: float) -> None:
+    """Stop the oldest pooled writers beyond :func:`capacity` once the excess has lasted
+    :data:`TRIM_AFTER_S` (checkpointers that kept spares were closed; during an in-process
+    restart the excess is momentary: the aborted iteration's checkpointers are collected while
+    their parked writers wait for the next iteration's); blocks for their exit (~0.1 s each)."""
+    with _lock:
+        extra = len(_idle) - _capacity()
+        if extra <= 0:
+            _state["excess_since"] = None
+            return
+        since = _state.setdefault("excess_since", None) or now
+        _state["excess_since"] = since
+        if now - since < TRIM_AFTER_S:
+            return
+        stop = _idle[:extra]
+        del _idle[:extra]
+        _state["excess_since"] = None
+    for w in stop:
+        w.stop(grace_s=2.0)
+
+
+def idle_pids(ready_only: bool = False) -> list[int]:
+    """Pids of the pooled writers (``ready_only``: of those that have imported torch), for
+    tests and diagnostics."""
+    with _lock:
+        if ready_only:
+            _poll_ready(_idle)
+        return [w.pid for w in _idle if w.pid is not None and (w.ready or not ready_only)]
 
 
 def drain(grace_s: float = 2.0) -> int:
     """Stop every pooled writer (asked to exit, SIGKILL after ``grace_s``, reaped); returns how
-    many. A running pre-warm is cancelled first (its starting writer is stopped; ~1 s). Blocks up
-    to ~``grace_s`` + 2 s per writer."""
+    many. A running pre-warm and the spare keeper are stopped first (a writer they are starting
+    is stopped; ~1 s), and no spare is kept until a checkpointer asks again
+    (:func:`want_spare`). Blocks up to ~``grace_s`` + 2 s per writer."""
     _cancel.set()
+    _spare_stop.set()
+    _spare_wake.set()
     try:
-        for t in _prewarm_thread:
+        for t in [*_prewarm_thread, *_spare_thread]:
             t.join(10.0)
     finally:
+        with _lock:
+            _wanting.clear()
+            _spare_thread.clear()
+        _spare_stop.clear()
         _cancel.clear()
     with _lock:
         writers = list(_idle)
@@ -222,6 +314,90 @@ def on_standby() -> None:
         t = threading.Thread(target=_prewarm, name="trainguard-ckpt-prewarm", daemon=True)
         _prewarm_thread.append(t)
     t.start()
+
+
+def spare_enabled() -> bool:
+    """False when the pool is disabled or the environment sets
+    ``TRAINGUARD_CKPT_SPARE_WRITER=0``."""
+    return enabled() and os.environ.get(_SPARE_ENV, "1") != "0"
+
+
+def want_spare(writer: WriterProcess) -> None:
+    """Keep one warm idle writer with ``writer.nice`` in the pool for the handle ``writer`` while
+    it has a process attached (until :func:`unwant_spare` or :func:`drain`): N such handles of
+    one ``nice`` keep N spares (see :func:`capacity`). Returns at once.
+
+    A background thread (``trainguard-ckpt-spare``) starts the spare once the owners' own
+    writers are ready (at most :data:`SPARE_START_DELAY_S` after they started, so their torch
+    imports do not compete), pools it once it has imported torch (it goes on to import DCP's
+    write modules when an owner writes DCP), and starts another whenever a checkpointer takes
+    it. Costs one idle
+    interpreter with torch imported per such handle (see :func:`prewarm_writers`)."""
+    if not spare_enabled():
+        return
+    with _lock:
+        _wanting.add(writer)
+        if not any(t.is_alive() for t in _spare_thread):
+            _spare_thread.clear()
+            t = threading.Thread(target=_keep_spares, name="trainguard-ckpt-spare", daemon=True)
+            _spare_thread.append(t)
+            t.start()
+    _spare_wake.set()
+
+
+def unwant_spare(writer: WriterProcess) -> None:
+    """The handle no longer needs a spare (its checkpointer is closed); never blocks."""
+    with _lock:
+        _wanting.discard(writer)
+    _spare_wake.set()
+
+
+def _spare_due() -> tuple[int, int, bool] | None:
+    """(rank, nice, warm_dcp) of a spare to start now, or None: every attached writer that
+    wants a spare has one idle writer of its ``nice`` in the pool (or the pool is full), or an
+    owner's own writer is still starting."""
+    now = time.monotonic()
+    with _lock:
+        owners = [w for w in _wanting if w.proc is not None]
+        have = [(w.nice, w.warm_dcp) for w in _idle]
+        full = len(_idle) >= _capacity()
+    if full:
+        return None
+    for key in sorted({(w.nice, w.warm_dcp) for w in owners}):
+        group = [w for w in owners if (w.nice, w.warm_dcp) == key]
+        if have.count(key) >= len(group):
+            continue
+        if any(not w.ready and now - w.started_at < SPARE_START_DELAY_S for w in owners):
+            continue  # an owner's own writer is still importing torch: do not compete
+        return group[0].rank, key[0], key[1]
+    return None
+
+
+def _keep_spares() -> None:
+    """The spare keeper: see :func:`want_spare`. Exits once no handle wants a spare, or at
+    :func:`drain`."""
+    while not _spare_stop.is_set() and spare_enabled():
+        _spare_wake.wait(0.5)
+        _spare_wake.clear()
+        if _spare_stop.is_set():
+            return
+        _trim(time.monotonic())
+        with _lock:
+            if not _wanting and len(_idle) <= MAX_IDLE:
+                _spare_thread.clear()
+                return
+        due = _spare_due()
+        if due is None:
+            continue
+        rank, nice, warm_dcp = due
+        try:
+            if spawn(rank, nice, ready_timeout_s=120.0, warm_dcp=warm_dcp, stop=_spare_stop):
+                _log.debug("spare checkpoint writer of rank %d is ready in the pool", rank)
+            else:
+                _spare_stop.wait(5.0)  # could not start or pool full: do not spin
+        except Exception:  # noqa: BLE001 - a missing spare only means a cold start later
+            _log.exception("starting a spare checkpoint writer failed")
+            _spare_stop.wait(5.0)
 
 
 def _release_idle() -> None:

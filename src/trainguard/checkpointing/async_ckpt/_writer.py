@@ -7,6 +7,7 @@ import select
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 from trainguard._core.ipc import FrameError, FrameReader, decode_msg, send_msg
@@ -42,8 +43,12 @@ class WriterProcess:
     waiting for a new interpreter to import torch; requests in flight fail as before.
     """
 
-    def __init__(self, rank: int, nice: int = 0, warm_dcp: bool = False) -> None:
+    def __init__(self, rank: int, nice: int = 0, warm_dcp: bool = False,
+                 spare: bool = False) -> None:
         self.rank, self.nice = rank, nice
+        self.spare = spare  # keep a warm spare writer in the pool while attached (_pool)
+        self.started_at = 0.0  # time.monotonic() when the current process was spawned
+        self.dcp_asked = False  # the current process was asked to import DCP (by any owner)
         self.warm_dcp = warm_dcp  # its owner writes DCP: every process it gets imports DCP early
         self.proc: Any = None
         self.conn: Any = None
@@ -120,7 +125,7 @@ class WriterProcess:
         self.stop(grace_s=0.0)
         from trainguard.checkpointing.async_ckpt import _pool
 
-        warm = _pool.take(self.nice)
+        warm = _pool.take(self.nice, self.warm_dcp)
         if warm is not None:
             self._adopt(warm)
             try:
@@ -131,8 +136,16 @@ class WriterProcess:
             else:
                 self.taken += 1
                 _log.debug("took warm checkpoint writer pid %d from the pool", self.proc.pid)
+                self._want_spare()
                 return
         self.spawn()
+        self._want_spare()
+
+    def _want_spare(self) -> None:
+        if self.spare:
+            from trainguard.checkpointing.async_ckpt import _pool
+
+            _pool.want_spare(self)
 
     def spawn(self) -> None:
         """Start a new writer process on this (empty) handle; returns at once."""
@@ -149,11 +162,13 @@ class WriterProcess:
         finally:
             child.close()
         self.proc, self.ready, self.owed = proc, False, 0
+        self.started_at = time.monotonic()
         self.pidfd = os.pidfd_open(proc.pid)
         self.sock = parent
         self.conn = FrameReader(parent.fileno())
         self.sent_arenas, self.backlog = set(), []
         self.starts += 1
+        self.dcp_asked = False
         self._watch_exit()
         _log.debug("started checkpoint writer pid %d", proc.pid)
         self._send_warm()
@@ -161,8 +176,9 @@ class WriterProcess:
     def _send_warm(self) -> None:
         """Ask the process to import DCP now (``warm_dcp``); sent at once, not kept back like
         requests: the worker reads it right after its torch import, and owes no reply."""
-        if self.warm_dcp:
+        if self.warm_dcp and not self.dcp_asked:
             self._send_now({"op": "warm", "dcp": True}, None, None)
+            self.dcp_asked = True
 
     def detach(self) -> WriterProcess | None:
         """Move an idle process out of this handle into a new handle (for the pool); the worker
@@ -174,7 +190,7 @@ class WriterProcess:
             self._send_now({"op": "reset"}, None, None)
         except WriterDied:
             return None
-        out = WriterProcess(self.rank, self.nice, self.warm_dcp)
+        out = WriterProcess(self.rank, self.nice, self.warm_dcp or self.dcp_asked)
         out._adopt(self)
         return out
 
@@ -183,6 +199,7 @@ class WriterProcess:
         other._unwatch()
         self.proc, self.sock, self.conn = other.proc, other.sock, other.conn
         self.pidfd, self.ready, self.owed = other.pidfd, other.ready, 0
+        self.started_at, self.dcp_asked = other.started_at, other.dcp_asked
         self.sent_arenas, self.backlog, other.backlog = set(), [], []
         other.proc, other.conn, other.pidfd, other.ready = None, None, None, False
         self._watch_exit()
@@ -190,6 +207,10 @@ class WriterProcess:
     def release(self) -> None:
         """Owner gone (finalizer, ``close``): an idle writer goes to the pool when
         ``park_on_release`` is set, otherwise (or when busy) it is stopped (up to ~4 s)."""
+        if self.spare:
+            from trainguard.checkpointing.async_ckpt import _pool
+
+            _pool.unwant_spare(self)
         if self.park_on_release:
             warm = self.detach()
             if warm is not None:
@@ -213,7 +234,7 @@ class WriterProcess:
         starting then holds nothing of its owner, so an abort parks it (keeping its import
         progress) instead of killing it."""
         if not self.ready:
-            self._poll_ready()
+            self.poll_ready()
         if not self.ready:
             if self.proc is None:
                 raise WriterDied("writer not running (stopped or aborted)")
@@ -221,7 +242,7 @@ class WriterProcess:
             return
         self._send_now(header, payload, arena)
 
-    def _poll_ready(self) -> None:
+    def poll_ready(self) -> None:
         """Read the ready message if it has arrived (before it nothing else can arrive)."""
         conn = self.conn
         if conn is None:
