@@ -5,8 +5,10 @@ without either (every writer cold), in one invocation.
     python bench/ckpt_restart.py [--restarts 4] [--step-ms 20] [--numel 262144] [--kinds 3]
                                  [--busy]
 
-Each mode runs in its own fresh process (``spare``: the defaults; ``pool``:
-``TRAINGUARD_CKPT_SPARE_WRITER=0``; ``no_pool``: ``TRAINGUARD_CKPT_WRITER_POOL=0``): a
+Each mode runs in its own fresh process (``spare``: ``TRAINGUARD_CKPT_SPARE_WRITER=1``, a spare
+per checkpointer from the start; ``auto``: the defaults, spares from the first restart that killed
+a busy writer on; ``pool``: ``TRAINGUARD_CKPT_SPARE_WRITER=0``; ``no_pool``:
+``TRAINGUARD_CKPT_WRITER_POOL=0``): a
 one-rank ``inprocess.Wrapper`` whose function makes ``--kinds`` ``AsyncCheckpointer``s (torch
 format, DCP format, and a second torch one as ``LocalCheckpointManager`` holds), trains (a
 matmul per step, ~``--step-ms`` ms), saves on each at its first step and calls the non-blocking
@@ -95,7 +97,7 @@ def _wait_spares(n: int, timeout_s: float = 60.0) -> None:
     from trainguard.checkpointing.async_ckpt import _pool
 
     t0 = time.monotonic()
-    want = _pool.spare_enabled()
+    want = _pool.spare_enabled() and any(_pool._wanting)
     while time.monotonic() - t0 < timeout_s:
         if want and len(_pool.idle_pids(ready_only=True)) >= n and time.monotonic() - t0 > 2.0:
             return
@@ -104,7 +106,8 @@ def _wait_spares(n: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-MODES = {"spare": {}, "pool": {"TRAINGUARD_CKPT_SPARE_WRITER": "0"},
+MODES = {"spare": {"TRAINGUARD_CKPT_SPARE_WRITER": "1"}, "auto": {},
+         "pool": {"TRAINGUARD_CKPT_SPARE_WRITER": "0"},
          "no_pool": {"TRAINGUARD_CKPT_WRITER_POOL": "0"}}
 
 

@@ -275,51 +275,79 @@ def test_spare_writer_takes_over_after_abort_of_a_busy_writer(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_spare_writer_default_is_on_inside_a_restart_loop_only(tmp_path, monkeypatch):
-    """``spare_writer=None``: on inside ``inprocess.Wrapper``'s call (``_core.hooks``'s
-    restart-loop flag, read at construction and at ``rebind``), off elsewhere; an explicit value
+def test_spare_writer_default_follows_the_restart_loop_and_busy_kills(tmp_path, monkeypatch):
+    """``spare_writer=None``: inside ``inprocess.Wrapper``'s call (``_core.hooks``'s restart-loop
+    flag, read at construction and at ``rebind``) once an abort there killed a busy writer (or
+    from the start with ``TRAINGUARD_CKPT_SPARE_WRITER=1``), never outside; an explicit value
     wins; ``TRAINGUARD_CKPT_SPARE_WRITER=0`` keeps every spare off; a bad value is refused."""
     from trainguard._core.hooks import in_restart_loop, restart_loop
 
+    monkeypatch.setitem(_pool._state, "busy_kills", 0)
+    monkeypatch.delenv("TRAINGUARD_CKPT_SPARE_WRITER", raising=False)
     outside = AsyncCheckpointer(None, use_dist=False)
+    made = []
     try:
         assert not in_restart_loop() and not outside.writer.spare
         with restart_loop():
             assert in_restart_loop()
-            inside = AsyncCheckpointer(None, use_dist=False)
-            off = AsyncCheckpointer(None, use_dist=False, spare_writer=False)
+            made += [AsyncCheckpointer(None, use_dist=False),
+                     AsyncCheckpointer(None, use_dist=False, spare_writer=True)]
+            assert [c.writer.spare for c in made] == [False, True]  # no busy kill yet
+            _pool.note_busy_kill()
+            made += [AsyncCheckpointer(None, use_dist=False),
+                     AsyncCheckpointer(None, use_dist=False, spare_writer=False)]
             outside.rebind()  # made before the loop, rebound inside it (the README's pattern)
-            assert inside.writer.spare and not off.writer.spare and outside.writer.spare
-            for ck in (inside, off):
-                ck.close()
+            assert [c.writer.spare for c in made[2:]] == [True, False] and outside.writer.spare
         assert not in_restart_loop()
         with pytest.raises(ConfigError, match="spare_writer"):
             AsyncCheckpointer(None, use_dist=False, spare_writer="yes")  # type: ignore[arg-type]
+        monkeypatch.setitem(_pool._state, "busy_kills", 0)
+        monkeypatch.setenv("TRAINGUARD_CKPT_SPARE_WRITER", "1")
+        with restart_loop():
+            made.append(AsyncCheckpointer(None, use_dist=False))
+            assert made[-1].writer.spare  # forced: from the start
         monkeypatch.setenv("TRAINGUARD_CKPT_SPARE_WRITER", "0")
         assert not _pool.spare_enabled()
+        _pool.drain()
         _pool.want_spare(outside.writer)
         assert not _pool._spare_thread
+        asked = AsyncCheckpointer(None, use_dist=False, spare_writer=True)
+        assert not asked.writer.spare  # the environment wins: no spare, so replace at abort
+        asked.close()
     finally:
-        outside.close()
+        for ck in [outside, *made]:
+            ck.close()
         _pool.drain()
 
 
 @pytest.mark.timeout(120)
-def test_wrapper_runs_its_iterations_inside_the_restart_loop_flag(single_rank_env, tmp_path):
-    """The Wrapper marks its call (every iteration, also after a restart) as a restart loop, so
-    a checkpointer made there keeps a spare writer; the flag is off again after the call."""
+def test_wrapper_keeps_spares_after_its_first_restart_that_killed_a_busy_writer(
+        single_rank_env, tmp_path, monkeypatch):
+    """Under the Wrapper (its call is the restart loop), a checkpointer made before any busy
+    writer was killed keeps no spare; iteration 0 raises while its writer is busy with a save,
+    the abort kills that writer, and iteration 1's checkpointer keeps a spare, which is ready
+    in the pool; the flag is off again after the call."""
     from trainguard._core.hooks import in_restart_loop
 
+    monkeypatch.setitem(_pool._state, "busy_kills", 0)
+    monkeypatch.delenv("TRAINGUARD_CKPT_SPARE_WRITER", raising=False)
     seen: list[tuple[bool, bool]] = []
 
     @Wrapper(**FAST)
     def train(cw: CallWrapper):
-        ck = AsyncCheckpointer(tmp_path / "ck", write_timeout=30.0)
+        ck = AsyncCheckpointer(tmp_path / "ck", write_timeout=30.0,
+                               faults={1: {"phase": "write", "action": "hang"}})
         seen.append((in_restart_loop(), ck.writer.spare))
+        if cw.iteration == 0:
+            ck.warmup(timeout=60.0)
+            ck.save({"w": torch.ones(1 << 12)}, 1)  # the writer hangs in this write
+            raise RuntimeError("fault while the writer is busy")
+        ck.warmup(timeout=60.0)
+        spare = _wait_for_spare(exclude=(ck.writer.pid,))
         ck.close()
-        if cw.iteration < 1:
-            raise RuntimeError("fault in iteration 0")
+        return spare
 
-    train()
-    assert seen == [(True, True), (True, True)] and not in_restart_loop()
-    _pool.drain()
+    spare = train()
+    assert seen == [(True, False), (True, True)] and not in_restart_loop()
+    assert _pool.busy_kills() == 1
+    assert _pool.drain() >= 1 and wait_gone(spare)

@@ -108,16 +108,21 @@ class AsyncCheckpointer(LoadMixin):
             use or a checkpointer made after the restart takes it, so no save after an
             in-process restart waits seconds for a fresh writer to import torch. A busy writer
             is always killed (and a replacement starts in the pool at once).
-        spare_writer: keep one more writer process per rank warm and idle in the process-wide
-            pool (it has imported torch, and DCP's write modules for ``format="dcp"``), so that
-            when an abort kills a writer busy with a save (an in-process restart while writing)
-            the next save is written and committed by the spare instead of by a replacement
-            that is still importing torch (1-2 s on an idle machine, 5-26 s on a loaded
-            2-core one); another spare then starts in the background. ``None`` (default): on
-            inside an in-process restart loop (``inprocess.Wrapper``; checked here and at
-            :meth:`rebind`), off elsewhere. Cost: one idle interpreter per rank (about 275 MiB
-            RSS, 146 MiB of it its own, with torch 2.13 CPU) and its start-up CPU once.
-            ``TRAINGUARD_CKPT_SPARE_WRITER=0`` turns spares off whatever this says.
+        spare_writer: keep one more writer process for this checkpointer warm and idle in the
+            process-wide pool (it has imported torch, and DCP's write modules for
+            ``format="dcp"``), so that when an abort kills a writer busy with a save (an
+            in-process restart while writing) the next save is written and committed by the
+            spare instead of by a replacement that is still importing torch (1-2 s on an idle
+            machine, 5-26 s on a loaded 2-core one); another spare then starts in the
+            background. ``True``: from the start. ``None`` (default): inside an in-process
+            restart loop (``inprocess.Wrapper``; checked here and at :meth:`rebind`) once an
+            abort in this process has killed a writer busy with a save (the first such restart
+            waits for a replacement as before; the later ones take a spare), so a job whose
+            faults never meet a write in flight pays nothing; ``TRAINGUARD_CKPT_SPARE_WRITER=1``
+            makes ``None`` act as ``True``. ``False``: never. Cost per spare: one idle
+            interpreter (about 275 MiB RSS, 146 MiB of it its own, with torch 2.13 CPU) and one
+            torch import of CPU time when it starts. ``TRAINGUARD_CKPT_SPARE_WRITER=0`` turns
+            spares off whatever this says.
         faults: test seam, step -> fault dict for the writer (see ``_worker``).
 
     The writer process is taken warm from the process-wide pool (``_pool``: writers of aborted
@@ -787,12 +792,15 @@ class AsyncCheckpointer(LoadMixin):
         """Forget every queued save; kill a busy or dead writer. With ``to_pool`` (abort) an idle
         writer is parked in the pool, and a killed one is replaced there."""
         had = self.writer.proc is not None
+        busy = had and self.writer.owed > 0  # requests in flight (maybe killed off-thread)
         if not self.writer.idle():  # dead, or requests on the wire (a starting one has none)
             self.writer.kill()
             # a replacement starts at once, unless a spare is kept for this writer (the next
             # save takes the spare; the spare keeper starts the next one, one at a time)
-            if to_pool and had and not self.writer.spare:
+            if to_pool and had and not (self.writer.spare and _pool.spare_enabled()):
                 _pool.spawn(self.writer.rank, self.writer.nice, warm_dcp=self.writer.warm_dcp)
+            if to_pool and busy and in_restart_loop():
+                _pool.note_busy_kill()  # spare_writer=None checkpointers keep spares from now
         elif to_pool:
             warm = self.writer.detach()
             if warm is not None:
@@ -814,7 +822,7 @@ class AsyncCheckpointer(LoadMixin):
         self.use_dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.use_dist else 0
         self.world_size = dist.get_world_size() if self.use_dist else 1
-        if self._spare_arg is None and not self.writer.spare and in_restart_loop():
+        if not self.writer.spare and _wants_spare(self._spare_arg):
             self.writer.spare = True  # made before the Wrapper's call, rebound inside it
         label = _label_rank()
         if label != self.writer.rank:  # made before init_process_group: ps and logs follow
@@ -879,8 +887,15 @@ def _release(writer: WriterProcess, pool: ArenaPool) -> None:
 
 
 def _wants_spare(arg: bool | None) -> bool:
-    """``spare_writer``: an explicit choice, else on inside an in-process restart loop."""
-    return in_restart_loop() if arg is None else arg
+    """``spare_writer``: an explicit choice, else (``None``) on inside an in-process restart loop
+    once a busy writer was killed by an abort in this process (or always with
+    ``TRAINGUARD_CKPT_SPARE_WRITER=1``); off whenever spares are disabled (no pool,
+    ``TRAINGUARD_CKPT_SPARE_WRITER=0``)."""
+    if not _pool.spare_enabled():
+        return False
+    if arg is None:
+        return in_restart_loop() and (_pool.busy_kills() > 0 or _pool.spare_forced())
+    return arg
 
 
 def _label_rank() -> int:

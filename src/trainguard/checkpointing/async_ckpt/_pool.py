@@ -16,8 +16,9 @@ writers instead:
 * a reserve rank under ``inprocess.Wrapper`` fills the pool to :func:`prewarm_writers` writers
   (``_core.hooks`` standby callback) and imports the trainer-side DCP modules, so the
   checkpointers it makes when it becomes active start warm;
-* a checkpointer with a spare writer (``AsyncCheckpointer(spare_writer=...)``, on by default
-  inside an in-process restart loop) keeps one warm idle writer of its ``nice`` in the pool
+* a checkpointer with a spare writer (``AsyncCheckpointer(spare_writer=...)``; by default on
+  inside an in-process restart loop once an abort there killed a busy writer) keeps one warm
+  idle writer of its ``nice`` in the pool
   (:func:`want_spare`): when an abort kills its busy writer, the next save takes the spare,
   which imported torch long before, instead of the replacement started at the abort.
 
@@ -45,8 +46,9 @@ from trainguard._core.logging import get_logger
 from trainguard.checkpointing.async_ckpt._writer import WriterDied, WriterProcess
 from trainguard.errors import ConfigError
 
-__all__ = ["MAX_IDLE", "capacity", "drain", "fill", "idle_pids", "park", "prewarm_writers", "spawn",
-           "spare_enabled", "take", "unwant_spare", "want_spare"]
+__all__ = ["MAX_IDLE", "busy_kills", "capacity", "drain", "fill", "idle_pids", "note_busy_kill",
+           "park", "prewarm_writers", "spare_enabled", "spare_forced", "spawn", "take",
+           "unwant_spare", "want_spare"]
 
 _log = get_logger("trainguard.checkpointing")
 MAX_IDLE = 4  # idle writers kept at most (each an interpreter with torch imported)
@@ -314,6 +316,23 @@ def on_standby() -> None:
         t = threading.Thread(target=_prewarm, name="trainguard-ckpt-prewarm", daemon=True)
         _prewarm_thread.append(t)
     t.start()
+
+
+def note_busy_kill() -> None:
+    """An abort killed a writer busy with a save (counted; see :func:`busy_kills`)."""
+    with _lock:
+        _state["busy_kills"] = int(_state.get("busy_kills", 0)) + 1
+
+
+def busy_kills() -> int:
+    """Writers killed busy by an abort inside an in-process restart loop in this process: from
+    the first on, ``AsyncCheckpointer(spare_writer=None)`` keeps a spare writer."""
+    return int(_state.get("busy_kills", 0))
+
+
+def spare_forced() -> bool:
+    """``TRAINGUARD_CKPT_SPARE_WRITER=1``: ``spare_writer=None`` keeps a spare from the start."""
+    return os.environ.get(_SPARE_ENV, "") == "1"
 
 
 def spare_enabled() -> bool:
