@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     try:
         trainer.fit(Regression(), ckpt_path=resume)
     except ConfigError as exc:  # e.g. not started by trainguard launch: one line, exit 2
-        print(f"lightning_train.py: {exc}", file=sys.stderr)
+        print(f"lightning_train.py: error: {exc}", file=sys.stderr)  # argparse's form
         return 2
     if trainer.is_global_zero:
         flagged = sorted({s.rank for r in straggler.reports for s in r.stragglers})

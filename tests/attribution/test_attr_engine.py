@@ -76,6 +76,11 @@ def test_line_numbers_stable_across_chunks(write_log):
      "local_rank: 2 (pid: 77) of binary: python\n"), "host_oom", None, None, "STOP"),
     ("train.py: error: unrecognized arguments: --lr-warmup 10\n", "config_error", None, None,
      "STOP"),
+    # a script's own one-line error in argparse's form, then a peer's cascade (new user: the
+    # Lightning example's unwritable checkpoint directory was blamed on the network, RESTART)
+    (("[rank0]: train.py: error: checkpoint directory '/x/ckpt' cannot be created (Not a "
+      "directory)\n[rank1]: RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:2453\n"),
+     "config_error", [0], None, "STOP"),
     ("[rank0]: FileNotFoundError: [Errno 2] No such file or directory: '/data/x.bin'\n",
      "missing_path", [0], None, "STOP"),
     ("[rank1]: PermissionError: [Errno 13] Permission denied: '/ckpt/step_10'\n",

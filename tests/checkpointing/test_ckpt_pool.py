@@ -237,6 +237,17 @@ def test_dcp_checkpointer_writers_import_dcp_before_the_first_save(tmp_path):
         _pool.drain()
 
 
+def _wait_title(pid: int, part: str, timeout_s: float = 10.0) -> bool:
+    import psutil
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if part in " ".join(psutil.Process(pid).cmdline()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _wait_for_spare(timeout_s: float = 90.0, exclude: tuple[int | None, ...] = ()) -> int:
     """Pid of a ready pooled writer (the spare) not in ``exclude``, once one is there."""
     end = time.monotonic() + timeout_s
@@ -260,6 +271,7 @@ def test_spare_writer_takes_over_after_abort_of_a_busy_writer(tmp_path):
         ck.warmup(timeout=60.0)
         busy = ck.writer.pid
         spare = _wait_for_spare(exclude=(busy,))
+        assert _wait_title(spare, "(pooled, idle)")  # ps tells the spare from the writer in use
         ck.save({"w": torch.ones(1 << 12)}, 1)  # the writer hangs in this write
         ck.abort()  # busy: killed (no replacement at once: the spare replaces it)
         assert wait_gone(busy) and _pool.idle_pids() == [spare]

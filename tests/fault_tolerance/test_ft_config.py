@@ -53,6 +53,11 @@ def test_pet_environment_sits_between_cli_and_defaults(tmp_path, monkeypatch):
     (["--master-port", "-5", "s.py"], "a TCP port is 0-65535"),
     (["--log-dir", "/proc/nope", "s.py"], "--log-dir '/proc/nope': cannot create or write it"),
     (["--log-dir", "s.py/logs", "s.py"], "cannot create or write it"),  # under a file
+    (["--log-dir", "s.py", "s.py"], r"it is a file, not a directory"),
+    # a bad path is a bad input (exit 2), not an unhealthy node (exit 95, found by a new user)
+    (["--ft-checkpoint-iteration-file", "s.py/it.txt", "s.py"],
+     r"--ft-checkpoint-iteration-file: directory '.*s.py': cannot create or write it \(it is"),
+    (["--ft-checkpoint-iteration-file", ".", "s.py"], "is a directory; name a file in it"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)

@@ -452,6 +452,7 @@ def _spec(v: dict[str, Any], script: str, args: tuple[str, ...], ft: FaultTolera
                                 "free one)")
     if not v["dry_run"]:
         _check_log_dir(v["log_dir"])
+        _check_iteration_file(ft.checkpoint_iteration_file)
     rdzv_conf = _rdzv_conf(v["rdzv_conf"])
     endpoint = str(v["rdzv_endpoint"] or "")
     ident: NodeIdentity = v["identity"]
@@ -561,6 +562,9 @@ def _check_log_dir(log_dir: str | None) -> None:
     if log_dir is None:
         return
     path = os.path.abspath(log_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise LaunchConfigError(f"--log-dir {log_dir!r}: cannot create or write it (it is a "
+                                "file, not a directory); choose a writable directory")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".trainguard_probe_{os.getpid()}")
@@ -570,6 +574,23 @@ def _check_log_dir(log_dir: str | None) -> None:
     except OSError as exc:
         raise LaunchConfigError(f"--log-dir {log_dir!r}: cannot create or write it "
                                 f"({exc.strerror or exc}); choose a writable directory") from None
+
+
+def _check_iteration_file(path: str | None) -> None:
+    """``--ft-checkpoint-iteration-file`` is read (after the workers write it): it must not be a
+    directory, and its directory must exist or be creatable, and be writable (checked up front:
+    a bad path is a bad input, exit 2, not an unhealthy node)."""
+    if not path:
+        return
+    flag = "--ft-checkpoint-iteration-file"
+    if os.path.isdir(path):
+        raise LaunchConfigError(f"{flag} {path!r} is a directory; name a file in it")
+    try:
+        _check_log_dir(os.path.dirname(os.path.abspath(path)))
+    except LaunchConfigError as exc:
+        raise LaunchConfigError(str(exc).replace("--log-dir", f"{flag}: directory", 1)
+                                .replace("choose a writable directory",
+                                         "name a file in a writable directory")) from None
 
 
 def _endpoint(host: str, port: str, master_port: int | None) -> int | None:

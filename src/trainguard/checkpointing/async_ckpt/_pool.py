@@ -139,6 +139,11 @@ def spawn(rank: int, nice: int = 0, ready_timeout_s: float = 0.0, warm_dcp: bool
 
     writer = WriterProcess(rank, nice, warm_dcp)
     writer.spawn()
+    try:  # ps: "(pooled, idle)" from the start, like a writer parked after use
+        writer.send_now({"op": "reset"})
+    except WriterDied:
+        writer.stop(grace_s=0.0)
+        return False
     deadline = time.monotonic() + ready_timeout_s
     try:
         while not writer.ready and time.monotonic() < deadline and not cancelled():

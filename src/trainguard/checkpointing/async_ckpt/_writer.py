@@ -254,6 +254,11 @@ class WriterProcess:
         if readable:
             self.recv(0.0)
 
+    def send_now(self, header: dict[str, Any]) -> None:
+        """Send a request that owes no reply at once, even to a writer still importing torch
+        (it reads it right after); raises WriterDied if the writer is unreachable."""
+        self._send_now(header, None, None)
+
     def _send_now(self, header: dict[str, Any], payload: bytes | None,
                   arena: Arena | None) -> None:
         try:
