@@ -55,10 +55,12 @@ MAX_IDLE = 4  # idle writers kept at most (each an interpreter with torch import
 _DISABLE_ENV = "TRAINGUARD_CKPT_WRITER_POOL"  # "0": no pool (the benchmark's baseline)
 _lock = threading.Lock()
 _idle: list[WriterProcess] = []
-_state: dict = {"prewarm": 2, "closed": False, "standby_calls": 0, "excess_since": None}
+_state: dict = {"prewarm": 2, "closed": False, "standby_calls": 0, "excess_since": None,
+                "busy_kills": 0}
 _prewarm_thread: list[threading.Thread] = []
 _cancel = threading.Event()  # drain(): a pre-warm waiting for a writer to start gives up
-_SPARE_ENV = "TRAINGUARD_CKPT_SPARE_WRITER"  # "0": no spare writers, whatever the argument
+# "0": no spare writers, whatever the argument; "1": spare_writer=None keeps them from the start
+_SPARE_ENV = "TRAINGUARD_CKPT_SPARE_WRITER"
 # A spare waits this long at most for its owners' own cold writers to finish importing torch
 # (the imports would compete for CPU), then starts anyway.
 SPARE_START_DELAY_S = 30.0
