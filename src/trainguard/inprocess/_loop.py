@@ -112,6 +112,7 @@ class LoopMixin:
     def begin(self) -> MonitorThread:
         st, it = self.state, self.state.iteration
         st.set_distributed_vars()
+        self.block.touch()  # before the new iteration is published (see the monitor's reads)
         self.block.set("iteration", it)
         self.block.set("rank", -1 if st.rank is None else st.rank)
         self.block.set("world_size", st.world_size)

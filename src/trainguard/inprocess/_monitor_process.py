@@ -281,8 +281,14 @@ class _Monitor:
         b = self.block
         if b.get("phase") != Phase.RUNNING or b.get("disabled") > 0:
             return
-        age = b.age_s()
+        # the iteration first, then the age, then the iteration again: the trainer's begin()
+        # stamps progress before it publishes a new iteration, so an age read between the two
+        # reads belongs to the iteration read (an age left from the aborted iteration, read just
+        # before the trainer entered the next, was recorded as a soft timeout of the new one)
         it = int(b.get("iteration"))
+        age = b.age_s()
+        if int(b.get("iteration")) != it:
+            return
         if age >= self.cfg.hard_s:
             self._hard_timeout(age)
         elif self._undeliverable(it):
